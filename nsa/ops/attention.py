@@ -1,0 +1,74 @@
+"""Public functional API: ``nsa_attention`` and ``nsa_select`` (see ``NSA_SPEC.md``)."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa.ops.params import NSAParams, check_attention_inputs, check_backend, check_select_inputs
+from nsa.ops.torch_backend import nsa_attention_torch, nsa_select_torch
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    check_backend(backend)
+    # "auto" picks the PyTorch backend until the Triton kernels land.
+    return "torch"
+
+
+def _scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    return float(scale)
+
+
+def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
+                  cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16,
+                  window=512, num_init=1, num_local=2, scale=None,
+                  cu_seqlens=None, backend="auto") -> torch.Tensor:
+    """Native Sparse Attention: gated sum of compressed, selected and sliding-window attention.
+
+    Args:
+        q: [B, T, HQ, Dk] queries (RoPE applied), HQ = G * H.
+        k, v: [B, T, H, Dk], [B, T, H, Dv] raw keys/values read by the selected branch.
+        k_cmp, v_cmp: [B, Tc, H, Dk], [B, Tc, H, Dv] compressed tokens,
+            Tc = (T - cmp_block) // cmp_stride + 1 (0 if T < cmp_block).
+        gates: [B, T, HQ, 3] activated gates for (compressed, selected, window).
+        k_win, v_win: keys/values of the window branch, default ``k``, ``v``.
+        cmp_block, cmp_stride, sel_block, num_selected, window, num_init, num_local:
+            l, d, l', n, w and the forced blocks of the spec.
+        scale: softmax scale of all three branches, default Dk ** -0.5.
+        cu_seqlens: int32 [N+1] with B = 1 packs N sequences along T (k_cmp packed likewise).
+        backend: "auto", "torch" or "triton".
+
+    Returns:
+        [B, T, HQ, Dv] in the dtype of ``q``.
+    """
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init, num_local)
+    check_attention_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, cu_seqlens)
+    scale = _scale(scale, q.shape[-1])
+    _resolve_backend(backend, q.device)
+    k_win = k if k_win is None else k_win
+    v_win = v if v_win is None else v_win
+    return nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale, cu_seqlens)
+
+
+def nsa_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16,
+               num_init=1, num_local=2, scale=None, cu_seqlens=None,
+               backend="auto") -> torch.Tensor:
+    """Blocks chosen by the selected branch, shared by the heads of a KV group.
+
+    Args:
+        q: [B, T, HQ, Dk] queries; k_cmp: [B, Tc, H, Dk] compressed keys; the rest as
+        :func:`nsa_attention`.
+
+    Returns:
+        [B, T, H, n] int64 selection-block indices per query position and KV head,
+        ascending, padded at the end with -1.
+    """
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, num_init=num_init,
+                       num_local=num_local)
+    check_select_inputs(q, k_cmp, params, cu_seqlens)
+    scale = _scale(scale, q.shape[-1])
+    _resolve_backend(backend, q.device)
+    return nsa_select_torch(q, k_cmp, params, scale, cu_seqlens)

@@ -1,0 +1,239 @@
+"""The PyTorch backend of NSA: ``NSA_SPEC.md`` in plain, vectorised PyTorch.
+
+It is the CPU backend and the oracle the kernels are tested against. Queries are processed in
+fixed-size chunks; each chunk computes its three branches with boolean masks over the key
+range it can see, so no [T, T] tensor is ever built and there is no loop over tokens. Every
+chunk runs under activation checkpointing when gradients are needed, so the memory autograd
+keeps is linear in T. Selection runs under ``torch.no_grad()``; gradients come from autograd
+through the three attentions. Nothing here reads a tensor value on the host.
+
+Layout inside a chunk: query heads are split as [B, H, G, C, D] (H KV heads, G query heads per
+group, C queries); keys as [B, H, S, D].
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from nsa.ops.params import NSAParams
+
+# Largest number of attention scores (B * HQ * C * keys) one chunk may hold.
+SCORE_BUDGET = 1 << 25
+MIN_CHUNK = 64
+
+
+def query_chunk_size(batch: int, num_q_heads: int, seq_len: int) -> int:
+    per_query = max(1, batch * num_q_heads * seq_len)
+    return max(MIN_CHUNK, SCORE_BUDGET // per_query)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision inputs are computed in float32 (scores, softmax and accumulation)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+class TokenLayout:
+    """Where each token and compressed token sits in its own sequence (varlen-aware).
+
+    seq [T], pos [T]: sequence id and position of every token;
+    cmp_seq [Tc], cmp_idx [Tc]: sequence id and index within its sequence of every compressed token.
+    """
+
+    def __init__(self, seq_len: int, num_cmp: int, cu_seqlens, params: NSAParams, device):
+        t = torch.arange(seq_len, device=device)
+        c = torch.arange(num_cmp, device=device)
+        if cu_seqlens is None:
+            self.seq, self.pos = torch.zeros_like(t), t
+            self.cmp_seq, self.cmp_idx = torch.zeros_like(c), c
+            return
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        self.seq = torch.searchsorted(cu[1:], t, right=True)
+        self.pos = t - cu[self.seq]
+        lengths = cu[1:] - cu[:-1]
+        cmp_per_seq = torch.where(
+            lengths >= params.cmp_block,
+            (lengths - params.cmp_block).div(params.cmp_stride, rounding_mode="floor") + 1,
+            torch.zeros_like(lengths),
+        )
+        cu_cmp = torch.cat([cu.new_zeros(1), cmp_per_seq.cumsum(0)])
+        self.cmp_seq = torch.searchsorted(cu_cmp[1:], c, right=True).clamp_max(lengths.numel() - 1)
+        self.cmp_idx = c - cu_cmp[self.cmp_seq]
+
+
+def _split_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, C, HQ, D] -> [B, H, G, C, D]"""
+    B, C, HQ, D = x.shape
+    return x.view(B, C, num_kv_heads, HQ // num_kv_heads, D).permute(0, 2, 3, 1, 4)
+
+
+def _kv_heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H, 1, S, D] (broadcasts over the G query heads of a group)"""
+    return x.permute(0, 2, 1, 3).unsqueeze(2)
+
+
+def masked_attention(q, k, v, mask, scale):
+    """Softmax attention restricted to ``mask``; rows with no visible key give 0.
+
+    q [B, H, G, C, Dk], k [B, H, 1, S, Dk], v [B, H, 1, S, Dv], mask broadcastable to
+    [B, H, G, C, S]. Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, S]).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    probs = weights / denom
+    return torch.matmul(probs, v), probs
+
+
+def block_overlap(cmp_idx: torch.Tensor, num_blocks: int, params: NSAParams, dtype) -> torch.Tensor:
+    """[Nc, NB]: |[i·d, i·d+l) ∩ [j·l', (j+1)·l')| / l for compressed token i and block j."""
+    start = (cmp_idx * params.cmp_stride).unsqueeze(1)  # [Nc, 1]
+    end = start + params.cmp_block
+    block_start = torch.arange(num_blocks, device=cmp_idx.device).unsqueeze(0) * params.sel_block
+    block_end = block_start + params.sel_block
+    overlap = (torch.minimum(end, block_end) - torch.maximum(start, block_start)).clamp_min(0)
+    return overlap.to(dtype) / params.cmp_block
+
+
+@torch.no_grad()
+def select_blocks(p_cmp, cmp_idx, pos, params: NSAParams, num_blocks: int) -> torch.Tensor:
+    """Top-n selection for one chunk of queries.
+
+    p_cmp [B, H, G, C, Nc]: compressed-attention probabilities; cmp_idx [Nc]: index of each
+    compressed token within its sequence; pos [C]: query positions within their sequences.
+    Returns [B, H, C, n] int64 block indices, ascending, padded at the end with -1.
+    """
+    group_p = p_cmp.sum(dim=2)  # [B, H, C, Nc]
+    score = torch.matmul(group_p, block_overlap(cmp_idx, num_blocks, params, group_p.dtype))
+    blocks = torch.arange(num_blocks, device=pos.device)  # [NB]
+    current = (pos // params.sel_block).unsqueeze(1)  # [C, 1]
+    candidate = blocks <= current  # [C, NB]
+    forced = candidate & ((blocks < params.num_init) | (blocks > current - params.num_local))
+    key = torch.where(forced, torch.full_like(score, float("inf")), score)
+    key = torch.where(candidate, key, torch.full_like(score, float("-inf")))
+    take = min(params.num_selected, num_blocks)
+    # A stable descending sort keeps equal scores in index order: ties go to the lower index.
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :take]
+    chosen = torch.gather(key, -1, order) > float("-inf")
+    order = torch.where(chosen, order, torch.full_like(order, num_blocks))
+    order = torch.sort(order, dim=-1).values
+    order = torch.where(order == num_blocks, torch.full_like(order, -1), order)
+    if take < params.num_selected:
+        order = torch.nn.functional.pad(order, (0, params.num_selected - take), value=-1)
+    return order
+
+
+def _compressed_branch(q, k_cmp, v_cmp, layout, t0, t1, params, scale):
+    """Compressed attention for queries [t0, t1). q [B, H, G, C, Dk].
+
+    Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, Nc], cmp_idx [Nc]).
+    """
+    visible_end = 0 if t1 < params.cmp_block else (t1 - params.cmp_block) // params.cmp_stride + 1
+    nc = min(k_cmp.shape[1], visible_end)
+    cmp_idx = layout.cmp_idx[:nc]
+    cmp_last = cmp_idx * params.cmp_stride + params.cmp_block - 1  # last token each one covers
+    mask = (layout.cmp_seq[:nc] == layout.seq[t0:t1, None]) & (cmp_last <= layout.pos[t0:t1, None])
+    k = _kv_heads_first(k_cmp[:, :nc])
+    v = _kv_heads_first(v_cmp[:, :nc])
+    out, probs = masked_attention(q, k, v, mask, scale)
+    return out, probs, cmp_idx
+
+
+def _selected_branch(q, k, v, indices, layout, t0, t1, params, scale):
+    """Attention of queries [t0, t1) over their selected blocks. indices [B, H, C, n]."""
+    B, H, C, _ = indices.shape
+    num_blocks = (t1 - 1) // params.sel_block + 1
+    # Scatter the indices into a [B, H, C, NB] block mask (-1 goes to a spare column).
+    picked = torch.where(indices < 0, torch.full_like(indices, num_blocks), indices)
+    block_mask = torch.zeros(B, H, C, num_blocks + 1, dtype=torch.bool, device=indices.device)
+    block_mask.scatter_(-1, picked, True)
+    key_block = (layout.pos[:t1] // params.sel_block).expand(B, H, C, t1)
+    key_mask = torch.gather(block_mask, -1, key_block)  # [B, H, C, S]
+    causal = (layout.seq[:t1] == layout.seq[t0:t1, None]) & (
+        torch.arange(t1, device=indices.device) <= torch.arange(t0, t1, device=indices.device)[:, None]
+    )
+    mask = (key_mask & causal).unsqueeze(2)  # [B, H, 1, C, S]
+    out, _ = masked_attention(q, _kv_heads_first(k[:, :t1]), _kv_heads_first(v[:, :t1]), mask, scale)
+    return out
+
+
+def _window_branch(q, k_win, v_win, layout, t0, t1, params, scale):
+    """Sliding-window attention of queries [t0, t1) over [t - w + 1, t]."""
+    s0 = max(0, t0 - params.window + 1)
+    keys = torch.arange(s0, t1, device=q.device)
+    queries = torch.arange(t0, t1, device=q.device)[:, None]
+    mask = (keys <= queries) & (keys > queries - params.window)
+    mask &= layout.seq[s0:t1] == layout.seq[t0:t1, None]
+    k = _kv_heads_first(k_win[:, s0:t1])
+    v = _kv_heads_first(v_win[:, s0:t1])
+    out, _ = masked_attention(q, k, v, mask, scale)
+    return out
+
+
+def _attention_chunk(q, k, v, k_cmp, v_cmp, k_win, v_win, gates, *, layout, t0, t1, params, scale):
+    """NSA output for queries [t0, t1): q [B, C, HQ, Dk], gates [B, C, HQ, 3] -> [B, C, HQ, Dv]."""
+    B, C, HQ, _ = q.shape
+    H = k.shape[2]
+    dtype = _compute_dtype(q.dtype)
+    qh = _split_heads(q.to(dtype), H)  # [B, H, G, C, Dk]
+    o_cmp, p_cmp, cmp_idx = _compressed_branch(qh, k_cmp, v_cmp, layout, t0, t1, params, scale)
+    num_blocks = (t1 - 1) // params.sel_block + 1
+    indices = select_blocks(p_cmp.detach(), cmp_idx, layout.pos[t0:t1], params, num_blocks)
+    o_slc = _selected_branch(qh, k, v, indices, layout, t0, t1, params, scale)
+    o_win = _window_branch(qh, k_win, v_win, layout, t0, t1, params, scale)
+    g = _split_heads(gates.to(dtype), H)  # [B, H, G, C, 3]
+    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # [B, H, G, C, Dv]
+    return out.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, -1).to(q.dtype)
+
+
+def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
+                        scale: float, cu_seqlens=None, chunk_size: int | None = None):
+    """PyTorch NSA forward (autograd gives the backward). Inputs already validated."""
+    B, T, HQ, _ = q.shape
+    dtype = _compute_dtype(q.dtype)
+    # Keys and values are cast once, not per chunk.
+    k, v, k_cmp, v_cmp, k_win, v_win = (x.to(dtype) for x in (k, v, k_cmp, v_cmp, k_win, v_win))
+    layout = TokenLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
+    chunk = chunk_size or query_chunk_size(B, HQ, T)
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, k_cmp, v_cmp, k_win, v_win, gates)
+    )
+    outputs = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        run = partial(_attention_chunk, layout=layout, t0=t0, t1=t1, params=params, scale=scale)
+        args = (q[:, t0:t1], k, v, k_cmp, v_cmp, k_win, v_win, gates[:, t0:t1])
+        outputs.append(checkpoint(run, *args, use_reentrant=False) if needs_grad else run(*args))
+    if not outputs:  # T == 0
+        return q.new_zeros(B, 0, HQ, v.shape[-1])
+    return torch.cat(outputs, dim=1)
+
+
+@torch.no_grad()
+def nsa_select_torch(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None,
+                     chunk_size: int | None = None) -> torch.Tensor:
+    """Selected block indices [B, T, H, n] (int64, ascending, -1 padded)."""
+    B, T, HQ, _ = q.shape
+    H = k_cmp.shape[2]
+    dtype = _compute_dtype(q.dtype)
+    k_cmp = k_cmp.to(dtype)
+    layout = TokenLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
+    chunk = chunk_size or query_chunk_size(B, HQ, T)
+    no_values = k_cmp[..., :0]
+    out = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        qh = _split_heads(q[:, t0:t1].to(dtype), H)
+        _, p_cmp, cmp_idx = _compressed_branch(qh, k_cmp, no_values, layout, t0, t1, params, scale)
+        num_blocks = (t1 - 1) // params.sel_block + 1
+        indices = select_blocks(p_cmp, cmp_idx, layout.pos[t0:t1], params, num_blocks)
+        out.append(indices.permute(0, 2, 1, 3))  # [B, C, H, n]
+    if not out:
+        return torch.empty(B, 0, H, params.num_selected, dtype=torch.long, device=q.device)
+    return torch.cat(out, dim=1)
