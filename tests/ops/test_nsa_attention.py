@@ -211,8 +211,8 @@ def test_compressed_branch_equals_masked_sdpa(B, T, HQ, H, Dk, Dv, l, d):
     assert_rel_close("dq", grads["q"], dq, 1e-12)
     assert_rel_close("dk_cmp", grads["k_cmp"], dk, 1e-12)
     assert_rel_close("dv_cmp", grads["v_cmp"], dv, 1e-12)
-    empty = T if Tc == 0 else min(T, l - 1)
-    assert out[:, :empty].abs().max().item() == 0.0 if empty else True, "o_cmp must be 0 before the first compressed token"
+    empty = min(T, l - 1)  # positions t < l - 1 see no compressed token
+    assert torch.count_nonzero(out[:, :empty]) == 0, "o_cmp must be 0 when no compressed token is visible"
 
 
 BRANCH_GATES = {"cmp": (1.0, 0.0, 0.0), "slc": (0.0, 1.0, 0.0), "win": (0.0, 0.0, 1.0), "all": None}
@@ -418,7 +418,7 @@ PARAM_CASES = [
     ("num_selected-below-forced", dict(num_selected=3, num_init=2, num_local=2), "num_selected"),
     ("window-0", dict(window=0), "window"),
     ("window-negative", dict(window=-3), "window"),
-    ("cmp_block-0", dict(cmp_block=0), "cmp_block|cmp_stride"),
+    ("cmp_block-0", dict(cmp_block=0), "cmp_block"),
     ("cmp_stride-0", dict(cmp_stride=0), "cmp_stride"),
     ("sel_block-0", dict(sel_block=0), "sel_block"),
     ("num_init-negative", dict(num_init=-1), "num_init"),
@@ -438,16 +438,9 @@ def test_invalid_parameters_raise(change, match):
     x = make_inputs(1, 12, 4, 2, 8, 4, cmp_block=l if Tc_ok else 4, cmp_stride=d if Tc_ok else 2)
     with pytest.raises(ValueError, match=match):
         call(nsa.nsa_attention, x, **p)
-    with pytest.raises(ValueError, match=match) if "window" not in change else _no_raise():
-        nsa.nsa_select(x["q"], x["k_cmp"], **select_params(p), **({"backend": p["backend"]} if "backend" in p else {}))
-
-
-class _no_raise:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    if "window" not in change:  # nsa_select has no window
+        with pytest.raises(ValueError, match=match):
+            nsa.nsa_select(x["q"], x["k_cmp"], **{k: v for k, v in p.items() if k != "window"})
 
 
 def _varlen_cases():

@@ -1,0 +1,44 @@
+"""Compressors: l consecutive keys (or values) every d tokens -> one compressed token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+COMPRESSORS = ("mlp", "mean")
+
+
+def compression_blocks(x: torch.Tensor, block: int, stride: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, Tc, H, block, D]: the tokens [i·stride, i·stride + block) of each i."""
+    B, T, H, D = x.shape
+    if T < block:
+        return x.new_zeros(B, 0, H, block, D)
+    return x.unfold(1, block, stride).permute(0, 1, 2, 4, 3)
+
+
+class Compressor(nn.Module):
+    """phi of the paper: maps each block of ``block`` tokens to one token.
+
+    ``kind="mlp"`` (the paper's): add a learnable intra-block position embedding to the block,
+    flatten it and pass it through a two-layer MLP. ``kind="mean"``: average the block.
+    """
+
+    def __init__(self, head_dim: int, block: int, stride: int, kind: str = "mlp",
+                 hidden: int | None = None):
+        super().__init__()
+        if kind not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {COMPRESSORS}, got {kind!r}")
+        self.block, self.stride, self.kind = block, stride, kind
+        if kind == "mlp":
+            hidden = hidden or 2 * head_dim
+            self.position = nn.Parameter(torch.randn(block, head_dim) * 0.02)
+            self.mlp = nn.Sequential(
+                nn.Linear(block * head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, D] -> [B, Tc, H, D]"""
+        blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
+        if self.kind == "mean":
+            return blocks.mean(dim=-2)
+        return self.mlp((blocks + self.position).flatten(-2))

@@ -1,0 +1,21 @@
+"""Rotary position embedding (RoPE) at arbitrary, possibly fractional, positions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """[head_dim // 2] inverse frequencies."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return base ** (-exponent)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] (float ok)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]  # [T, D/2]
+    cos = angles.cos()[None, :, None, :]  # [1, T, 1, D/2]
+    sin = angles.sin()[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
