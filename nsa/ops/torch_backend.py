@@ -81,6 +81,8 @@ def masked_attention(q, k, v, mask, scale):
     [B, H, G, C, S]. Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, S]).
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if scores.shape[-1] == 0:  # no key in range (e.g. no compressed token yet)
+        return torch.matmul(scores, v), scores
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

@@ -29,6 +29,11 @@ def select_params(p):
     return {k: v for k, v in p.items() if k in SELECT_KEYS + ("scale",)}
 
 
+def score_params(p):
+    """The subset of the parameters that the block scores depend on."""
+    return {k: v for k, v in p.items() if k in ("cmp_block", "cmp_stride", "sel_block", "scale")}
+
+
 def total_compressed_length(T, cu_seqlens, cmp_block, cmp_stride):
     if cu_seqlens is None:
         return compressed_length(T, cmp_block, cmp_stride)

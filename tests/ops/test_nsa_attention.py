@@ -17,6 +17,7 @@ from tests.ops.helpers import (
     gqa_sdpa,
     make_inputs,
     params_id,
+    score_params,
     select_params,
     selection_margin,
     shape_id,
@@ -131,7 +132,7 @@ def test_low_precision_matches_float64_with_same_blocks(B, T, HQ, H, Dk, Dv, p, 
     x = make_inputs(B, T, HQ, H, Dk, Dv, seed=T + 2, dtype=dtype, **p)
     do = _grad_out(x)
     idx = nsa.nsa_select(x["q"], x["k_cmp"], **select_params(p))
-    scores = naive_group_scores(x["q"].double(), x["k_cmp"].double(), **select_params(p))
+    scores = naive_group_scores(x["q"].double(), x["k_cmp"].double(), **score_params(p))
     assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[dtype] * HQ // H, **p)
     out, grads = forward_backward(nsa.nsa_attention, x, do, **p)
     assert out.dtype == dtype
@@ -280,7 +281,7 @@ def test_gradcheck(branch):
     p = GRADCHECK_P
     x = make_inputs(B, T, HQ, H, Dk, Dv, seed=13, gates=BRANCH_GATES[branch], **p)
     # the hard selection must stay put under gradcheck's perturbations
-    scores = naive_group_scores(x["q"], x["k_cmp"], **select_params(p))
+    scores = naive_group_scores(x["q"], x["k_cmp"], **score_params(p))
     assert selection_margin(scores, T, **p) > 1e-3
     assert any(t // 4 + 1 > 2 for t in range(T)), "selection must be non-trivial"
     names = list(INPUT_NAMES)
@@ -298,7 +299,7 @@ def test_gradcheck_varlen():
     cu = _cu_seqlens([6, 1, 10])
     T = int(cu[-1])
     x = make_inputs(1, T, 4, 2, 4, 3, seed=14, cu_seqlens=cu, **p)
-    scores = naive_group_scores(x["q"], x["k_cmp"], cu_seqlens=cu, **select_params(p))
+    scores = naive_group_scores(x["q"], x["k_cmp"], cu_seqlens=cu, **score_params(p))
     assert selection_margin(scores, T, cu_seqlens=cu, **p) > 1e-3
     names = list(INPUT_NAMES)
     leaves = [x[n].detach().clone().requires_grad_(True) for n in names]

@@ -12,6 +12,7 @@ from tests.ops.helpers import (
     assert_selection_valid,
     make_inputs,
     params_id,
+    score_params,
     select_params,
     shape_id,
 )
@@ -69,7 +70,7 @@ def test_select_low_precision_modulo_near_ties(B, T, HQ, H, Dk, p, dtype):
     q, k_cmp = _select_inputs(B, T, HQ, H, Dk, p, dtype=dtype, seed=T + 1)
     idx = nsa.nsa_select(q, k_cmp, **p)
     assert_index_format(idx, B, T, H, sel_block=p["sel_block"], num_selected=p["num_selected"])
-    scores = naive_group_scores(q.double(), k_cmp.double(), **select_params(p))
+    scores = naive_group_scores(q.double(), k_cmp.double(), **score_params(p))
     assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[dtype] * HQ // H, **p)
 
 

@@ -1,0 +1,111 @@
+"""Training-step time and memory of the language model, NSA vs dense, across depths.
+
+One step = forward + backward + AdamW update. On CUDA memory is the peak allocated; on the CPU
+it is the bytes autograd saves for backward (what grows with depth). Both must grow linearly in
+the number of layers.
+
+    python bench/train_step.py                                   # CPU, the old "hang" shape
+    python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+
+import torch
+
+from nsa.models import LanguageModel, ModelConfig, model_preset
+
+# The shape on which the earlier system hung in backward at >= 5 layers.
+HANG_SHAPE = ModelConfig(
+    vocab_size=256, dim=128, num_layers=1, num_heads=8, num_kv_heads=2, head_dim_k=16,
+    head_dim_v=16, max_seq_len=128, cmp_block=16, cmp_stride=8, sel_block=32, num_selected=8,
+    window=64,
+)
+
+
+@contextmanager
+def count_saved_bytes(total: list[int]):
+    def pack(t: torch.Tensor):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
+               autocast_dtype: torch.dtype | None) -> dict:
+    torch.manual_seed(0)
+    model = LanguageModel(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    seq = config.max_seq_len
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
+                else nullcontext())
+    times, saved = [], [0]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast, (count_saved_bytes(saved) if i == 0 else nullcontext()):
+            loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved[0])
+    return {"step_ms": step * 1e3, "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
+            "params_m": model.num_parameters() / 1e6}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default=None, help="model preset (default: the hang shape)")
+    parser.add_argument("--layers", default="1,2,4,8,12", help="comma-separated depths")
+    parser.add_argument("--attention", default="nsa,dense")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: preset)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                        help="autocast dtype on CUDA (the CPU runs fp32)")
+    parser.add_argument("--backend", default="auto")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    base = model_preset(args.preset) if args.preset else HANG_SHAPE
+    base = replace(base, backend=args.backend, max_seq_len=args.seq or base.max_seq_len)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
+    memory_kind = "peak MB" if device.type == "cuda" else "saved MB"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, batch {args.batch}, seq {base.max_seq_len}, dim {base.dim}, "
+          f"heads {base.num_heads}/{base.num_kv_heads}, autocast {autocast_dtype}, "
+          f"backend {args.backend}, median of {args.steps} steps")
+    print(f"| attention | layers | params (M) | step (ms) | tokens/s | {memory_kind} |")
+    print("|---|---|---|---|---|---|")
+    for attention in args.attention.split(","):
+        for layers in (int(n) for n in args.layers.split(",")):
+            config = replace(base, attention=attention, num_layers=layers)
+            r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype)
+            print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Text corpora bundled with the package (read through ``importlib.resources``)."""

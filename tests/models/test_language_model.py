@@ -1,0 +1,75 @@
+"""The language model: gradients everywhere, the old hang shape, presets."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nsa.models import MODEL_PRESETS, LanguageModel, ModelConfig, model_preset
+
+# The shape on which the earlier system hung in backward at >= 5 layers.
+HANG_SHAPE = ModelConfig(
+    vocab_size=256, dim=128, num_heads=8, num_kv_heads=2, head_dim_k=16, head_dim_v=16,
+    max_seq_len=128, cmp_block=16, cmp_stride=8, sel_block=32, num_selected=8, window=64,
+)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+@pytest.mark.parametrize("kv_sharing", ["independent", "shared"])
+def test_every_parameter_gets_a_nonzero_gradient(attention, kv_sharing):
+    torch.manual_seed(0)
+    config = replace(model_preset("showcase"), attention=attention, kv_sharing=kv_sharing,
+                     num_layers=2)
+    model = LanguageModel(config)
+    tokens = torch.randint(0, 256, (2, 65))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]
+    assert not missing
+
+
+@pytest.mark.parametrize("num_layers", [5, 12])
+def test_old_hang_shape_forward_backward_completes(num_layers):
+    torch.manual_seed(0)
+    model = LanguageModel(replace(HANG_SHAPE, num_layers=num_layers))
+    tokens = torch.randint(0, 256, (1, 129))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_logits_are_causal():
+    torch.manual_seed(0)
+    model = LanguageModel(replace(model_preset("showcase"), num_layers=2)).double()
+    tokens = torch.randint(0, 256, (1, 80))
+    logits = model(tokens)
+    changed = tokens.clone()
+    changed[:, 50:] = (changed[:, 50:] + 1) % 256
+    torch.testing.assert_close(model(changed)[:, :50], logits[:, :50], rtol=0, atol=1e-10)
+
+
+def test_generate_appends_tokens():
+    torch.manual_seed(0)
+    model = LanguageModel(replace(model_preset("showcase"), max_seq_len=16))
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=20, top_k=5)
+    assert out.shape == (2, 23) and out.dtype == torch.long
+
+
+def test_presets():
+    m7c = MODEL_PRESETS["m7c-125m"]
+    assert (m7c.dim, m7c.num_layers, m7c.num_heads, m7c.num_kv_heads) == (768, 12, 12, 2)
+    assert (m7c.cmp_block, m7c.cmp_stride, m7c.sel_block, m7c.num_selected, m7c.window) == (
+        32, 16, 64, 16, 512)
+    showcase = MODEL_PRESETS["showcase"]
+    assert (showcase.dim, showcase.num_layers, showcase.num_heads, showcase.max_seq_len) == (
+        128, 1, 8, 128)
+    with pytest.raises(ValueError, match="preset"):
+        model_preset("huge")
+    with pytest.raises(ValueError, match="attention"):
+        model_preset("tiny", attention="linear")
+
+
+def test_tokens_must_be_rank_two():
+    model = LanguageModel(model_preset("showcase"))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(5, dtype=torch.long))
