@@ -1,0 +1,178 @@
+"""Training configuration, named presets and ``key=value`` command-line overrides."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+
+from nsa.models.config import ModelConfig, model_preset
+from nsa.train.tokenizer import VOCAB_SIZE
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the trainer needs besides the model; validated once, when built."""
+
+    batch_size: int = 32  # sequences per micro-batch
+    seq_len: int | None = None  # default: the model's max_seq_len
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 1000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    min_lr: float = 1e-4  # end of the cosine decay, at max_steps
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # on matrices and embeddings only (params with >= 2 dims)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
+    val_fraction: float = 0.1  # the held-out tail of the corpus
+    eval_interval: int = 100  # steps between validation runs
+    eval_steps: int = 20  # validation batches per run (always the same ones)
+    log_interval: int = 10  # steps between log lines / metrics records
+    checkpoint_interval: int = 500  # steps between checkpoints (one is always written at the end)
+    run_dir: str = "runs/nsa"
+    seed: int = 0
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    autocast: bool = True  # bf16 autocast on CUDA; the CPU always computes in float32
+    num_threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    sample_prompt: str = "ROMEO:"
+    sample_tokens: int = 200  # bytes generated after the prompt at the end of training
+    sample_temperature: float = 0.8
+
+    def __post_init__(self) -> None:
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps",
+                    "log_interval", "checkpoint_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seq_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be None or >= 1, got {value}")
+        for name in ("warmup_steps", "weight_decay", "seed", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be None or > 0, got {self.grad_clip}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not self.sample_prompt:
+            raise ValueError("sample_prompt must not be empty")
+        if not self.sample_temperature > 0:
+            raise ValueError(f"sample_temperature must be > 0, got {self.sample_temperature}")
+        if not self.run_dir:
+            raise ValueError("run_dir must not be empty")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A model and how to train it. ``train.seq_len`` is resolved to an int when built."""
+
+    model: ModelConfig
+    train: TrainConfig
+
+    def __post_init__(self) -> None:
+        if self.model.vocab_size < VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size must be >= {VOCAB_SIZE} for the byte tokenizer, got {self.model.vocab_size}"
+            )
+        if self.train.seq_len is None:
+            object.__setattr__(self, "train", replace(self.train, seq_len=self.model.max_seq_len))
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"seq_len ({self.train.seq_len}) must be <= max_seq_len ({self.model.max_seq_len})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        return cls(model=ModelConfig(**data["model"]), train=TrainConfig(**data["train"]))
+
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # Reaches < 2.0 nats/byte on the bundled corpus in a few minutes on 2 CPU cores.
+    "tiny": TrainConfig(
+        batch_size=16, seq_len=128, max_steps=600, lr=3e-3, min_lr=3e-4, warmup_steps=50,
+        weight_decay=0.1, eval_interval=100, eval_steps=10, log_interval=10,
+        checkpoint_interval=200, run_dir="runs/tiny",
+    ),
+    "showcase": TrainConfig(
+        batch_size=32, seq_len=128, max_steps=2000, lr=2e-3, min_lr=2e-4, warmup_steps=100,
+        eval_interval=200, checkpoint_interval=500, run_dir="runs/showcase",
+    ),
+    # A GPU run: 8 x 2048 tokens per step, paper-scale learning rate.
+    "m7c-125m": TrainConfig(
+        batch_size=8, seq_len=2048, max_steps=20000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
+        eval_interval=500, eval_steps=50, checkpoint_interval=1000, run_dir="runs/m7c-125m",
+    ),
+}
+
+
+def build_config(preset: str, overrides: Sequence[str] = ()) -> RunConfig:
+    """The named preset with ``key=value`` overrides applied.
+
+    Keys are field names of :class:`ModelConfig` or :class:`TrainConfig`, optionally prefixed
+    ``model.`` or ``train.``; values are parsed to the field's type (``none`` for None).
+    """
+    if preset not in TRAIN_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
+    changes: dict[type, dict] = {ModelConfig: {}, TrainConfig: {}}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must have the form key=value")
+        cls, name = _resolve_key(key.strip())
+        changes[cls][name] = parse_value(name, text.strip(), typing.get_type_hints(cls)[name])
+    return RunConfig(model=model_preset(preset, **changes[ModelConfig]),
+                     train=replace(TRAIN_PRESETS[preset], **changes[TrainConfig]))
+
+
+def _resolve_key(key: str) -> tuple[type, str]:
+    prefix, _, name = key.rpartition(".")
+    sections = {"model": ModelConfig, "train": TrainConfig}
+    if prefix and prefix not in sections:
+        raise ValueError(f"unknown config key {key!r}: prefix must be 'model.' or 'train.'")
+    candidates = [sections[prefix]] if prefix else list(sections.values())
+    matches = [cls for cls in candidates if name in {f.name for f in fields(cls)}]
+    if not matches:
+        raise ValueError(f"unknown config key {key!r}")
+    if len(matches) > 1:
+        raise ValueError(f"config key {key!r} is ambiguous: prefix it with 'model.' or 'train.'")
+    return matches[0], name
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_value(name: str, text: str, annotation) -> object:
+    """Parse ``text`` as ``annotation`` (int, float, bool, str, or an Optional of one)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        options = typing.get_args(annotation)
+    else:
+        options = (annotation,)
+    if type(None) in options and text.lower() in ("none", "null"):
+        return None
+    (kind,) = (t for t in options if t is not type(None))
+    try:
+        if kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError
+            return text.lower() in _TRUE
+        return kind(text)
+    except ValueError:
+        optional = " or none" if type(None) in options else ""
+        raise ValueError(f"{name}: cannot parse {text!r} as {kind.__name__}{optional}") from None
