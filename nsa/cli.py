@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("--resume", action="store_true",
                            help="continue from run_dir/checkpoint.pt")
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
+    train_cmd.set_defaults(run=run_train)
 
     sample_cmd = commands.add_parser("sample", help="print a sample from a trained checkpoint")
     sample_cmd.add_argument("--run-dir", type=Path, required=True)
@@ -32,23 +33,39 @@ def build_parser() -> argparse.ArgumentParser:
     sample_cmd.add_argument("--tokens", type=int, default=None, help="bytes to generate")
     sample_cmd.add_argument("--temperature", type=float, default=None)
     sample_cmd.add_argument("--device", default="auto", choices=DEVICES)
+    sample_cmd.set_defaults(run=run_sample)
     return parser
+
+
+def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        config = build_config(args.preset, args.overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        train(config, resume=args.resume)
+    except RunDirError as error:
+        parser.error(str(error))
+
+
+def run_sample(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        print(sample_checkpoint(args.run_dir, args.prompt, args.tokens, args.temperature,
+                                args.device))
+    except RunDirError as error:
+        parser.error(str(error))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)  # overrides may also follow the options
-    unknown = [arg for arg in extra if args.command != "train" or arg.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    try:
-        if args.command == "train":
-            train(build_config(args.preset, [*args.overrides, *extra]), resume=args.resume)
-        else:
-            print(sample_checkpoint(args.run_dir, args.prompt, args.tokens, args.temperature,
-                                    args.device))
-    except (RunDirError, ConfigError) as error:
-        parser.error(str(error))
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":  # overrides may also follow the options
+        args.overrides += [arg for arg in extra if not arg.startswith("-")]
+        extra = [arg for arg in extra if arg.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.run(args, parser)
+
 
 if __name__ == "__main__":
     main()
