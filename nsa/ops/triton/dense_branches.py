@@ -1,0 +1,231 @@
+"""Triton kernels for the two NSA branches whose keys are a contiguous range per query:
+compressed attention (keys: the visible compressed tokens of the query's sequence) and
+sliding-window attention (keys: the last ``window`` tokens of the query's sequence).
+
+Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R // G`` consecutive
+positions times the ``G`` query heads that share the KV head, so small groups still fill a
+matrix tile (no padding of G). Every row knows its own key range, which also handles packed
+variable-length batches. Forward writes the branch output (float32) and its log-sum-exp
+(base 2); backward is deterministic: one kernel for dq (per query tile), one for dk/dv (per key
+tile, looping over the queries that can see it), no atomics.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MODE_CMP = 0
+MODE_WIN = 1
+
+
+@triton.jit
+def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
+                   MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                   CMP_STRIDE: tl.constexpr):
+    """Per row: the half-open key range [lo, hi) it attends to (empty for invalid rows)."""
+    pos = tl.load(tok_pos + t, mask=row_ok, other=0)
+    if MODE == 0:
+        cstart = tl.load(tok_cmp_start + t, mask=row_ok, other=0)
+        nvis = tl.where(pos >= CMP_BLOCK - 1, (pos - (CMP_BLOCK - 1)) // CMP_STRIDE + 1, 0)
+        lo = cstart
+        hi = cstart + nvis
+    else:
+        lo = tl.maximum(t - WINDOW + 1, t - pos)
+        hi = t + 1
+    lo = tl.where(row_ok, lo, 2147483647)
+    hi = tl.where(row_ok, hi, 0)
+    return lo, hi
+
+
+@triton.jit
+def _branch_fwd_kernel(
+    Q, K, V, O, LSE, tok_pos, tok_cmp_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    T, NK, H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_R // G
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r = tl.arange(0, BLOCK_R)
+    t = pid_t * P + r // G
+    hq = h * G + r % G
+    row_ok = (r < P * G) & (t < T)
+    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
+                                CMP_STRIDE)
+    lo = tl.min(lo_r, axis=0)
+    hi = tl.max(hi_r, axis=0)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    t64 = t.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + tl.arange(0, BLOCK_N)
+        s64 = s.to(tl.int64)
+        k_ok = s < hi
+        k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
+        scores = tl.where(valid, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("inf"))
+    tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
+             out, mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _branch_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, tok_pos, tok_cmp_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    T, NK, H, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """DQ (float32, layout of O with DK columns) += scale · Σ_s p (dp − delta) k_s."""
+    P: tl.constexpr = BLOCK_R // G
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r = tl.arange(0, BLOCK_R)
+    t = pid_t * P + r // G
+    hq = h * G + r % G
+    row_ok = (r < P * G) & (t < T)
+    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
+                                CMP_STRIDE)
+    lo = tl.min(lo_r, axis=0)
+    hi = tl.max(hi_r, axis=0)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    t64 = t.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + tl.arange(0, BLOCK_N)
+        s64 = s.to(tl.int64)
+        k_ok = s < hi
+        k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
+        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+        else:
+            acc += tl.dot(ds.to(k.dtype), k)
+    dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
+    dq_mask = row_ok[:, None] & (dk[None, :] < DK)
+    prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
+    tl.store(dq_ptr, prev + acc * scale, mask=dq_mask)
+
+
+@triton.jit
+def _branch_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo, key_t_hi,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    T, NK, H, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """dK, dV (float32) of a tile of BLOCK_N keys, looping over every query that can see them."""
+    P: tl.constexpr = BLOCK_R // G
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    s64 = s.to(tl.int64)
+    k_ok = s < NK
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    t_lo = tl.min(tl.load(key_t_lo + s, mask=k_ok, other=2147483647), axis=0)
+    t_hi = tl.max(tl.load(key_t_hi + s, mask=k_ok, other=0), axis=0)
+    acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    r = tl.arange(0, BLOCK_R)
+    for t_start in range(t_lo, t_hi, P):
+        t = t_start + r // G
+        hq = h * G + r % G
+        row_ok = (r < P * G) & (t < t_hi)
+        lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
+                                    CMP_STRIDE)
+        t64 = t.to(tl.int64)
+        q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh
+                    + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh
+                     + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV),
+                     other=0.0).to(q.dtype)
+        lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
+        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            acc_v += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+        else:
+            acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
+            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
+    tl.store(DK_OUT + b * stride_dkb + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
+             acc_k * scale, mask=k_ok[:, None] & (dk[None, :] < DK))
+    tl.store(DV_OUT + b * stride_dvb + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
+             acc_v, mask=k_ok[:, None] & (dv[None, :] < DV))

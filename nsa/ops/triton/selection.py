@@ -1,0 +1,321 @@
+"""Triton kernels for block selection and attention over the selected blocks.
+
+Tiles come from a tile table (``P`` consecutive positions of one sequence each, so a tile never
+straddles two packed sequences); rows are (position, query head) pairs of one KV head.
+
+* ``_select_kernel``: block scores and an online top-n, never writing a score matrix. The
+  compressed probabilities are recomputed from the compressed log-sum-exp, mapped onto
+  ``BJ`` selection blocks at a time (tokens that straddle into the next chunk of blocks are
+  carried), summed over the heads of the group, and merged into a running top-n held as int64
+  keys ``score_bits << 32 | (2^31 - 1 - block)``: larger score first, ties to the lower index.
+* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: attention over the union of the
+  blocks the tile's positions selected; each row only sees its own position's blocks.
+* ``_selected_bwd_dkdv_kernel``: one program per key block, looping over the (position, head)
+  rows that selected it, read from an inverse index built by a sort: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INT32_MAX = 2147483647
+
+
+@triton.jit
+def _tile_rows(tile, tile_start, tile_end, tile_seq_start, P: tl.constexpr, G: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    r = tl.arange(0, BLOCK_R)
+    t0 = tl.load(tile_start + tile)
+    t_end = tl.load(tile_end + tile)
+    seq_start = tl.load(tile_seq_start + tile)
+    t = t0 + r // G
+    row_ok = (r < P * G) & (t < t_end)
+    return r, t, row_ok, seq_start, t_end
+
+
+@triton.jit
+def _select_kernel(
+    Q, KC, LSE, IDX, tile_start, tile_end, tile_seq_start, tile_cmp_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_R: tl.constexpr,
+    NUM_SELECTED: tl.constexpr, NPAD: tl.constexpr, TOK: tl.constexpr, TOK_PAD: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_R // G
+    BJ: tl.constexpr = NPAD  # selection blocks scored per step
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
+                                                BLOCK_R)
+    cmp_start = tl.load(tile_cmp_start + tile)
+    seq_len = t_end - seq_start
+    num_cmp = tl.where(seq_len >= CMP_BLOCK, (seq_len - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    pos = t - seq_start
+    current = pos // SEL_BLOCK  # [R] block of the query itself
+    hq = h * G + r % G
+    t64 = t.to(tl.int64)
+    dk = tl.arange(0, BLOCK_DK)
+    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    # Overlap (/ l) of compressed token a (relative to the chunk) with block c of this chunk
+    # and with block c of the next chunk.
+    a = tl.arange(0, TOK_PAD)
+    c = tl.arange(0, BJ)
+    tok_lo = (a * CMP_STRIDE)[:, None]
+    blk_lo = (c * SEL_BLOCK)[None, :]
+    here = tl.minimum(tok_lo + CMP_BLOCK, blk_lo + SEL_BLOCK) - tl.maximum(tok_lo, blk_lo)
+    nxt = (tl.minimum(tok_lo + CMP_BLOCK, blk_lo + BJ * SEL_BLOCK + SEL_BLOCK)
+           - tl.maximum(tok_lo, blk_lo + BJ * SEL_BLOCK))
+    tok_ok = (a < TOK)[:, None]
+    w_here = tl.where(tok_ok, tl.maximum(here, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+    w_next = tl.where(tok_ok, tl.maximum(nxt, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+    # Rows of the same position share one group score: same_pos @ x sums over the group.
+    same_pos = ((r[:, None] // G) == (r[None, :] // G)).to(tl.float32)
+    carry = tl.zeros([BLOCK_R, BJ], tl.float32)
+    best = tl.full([BLOCK_R, NPAD], -1, tl.int64)
+    num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
+    for j0 in range(0, num_blocks, BJ):
+        i_loc = j0 * (SEL_BLOCK // CMP_STRIDE) + a  # compressed index within the sequence
+        k_ok = (a < TOK) & (i_loc < num_cmp)
+        kc = tl.load(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64)[:, None] * stride_kt
+                     + h * stride_kh + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK),
+                     other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(kc), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(kc))
+        visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
+        p = tl.where(visible, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+        mass = tl.dot(p, w_here, input_precision="ieee") + carry  # [R, BJ] per head
+        carry = tl.dot(p, w_next, input_precision="ieee")
+        score = tl.dot(same_pos, mass, input_precision="ieee")  # [R, BJ] per group
+        block = j0 + c
+        candidate = block[None, :] <= current[:, None]
+        forced = candidate & ((block[None, :] < NUM_INIT)
+                              | (block[None, :] > current[:, None] - NUM_LOCAL))
+        bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
+        key = (bits.to(tl.int64) << 32) | (INT32_MAX - block[None, :]).to(tl.int64)
+        key = tl.where(candidate & row_ok[:, None], key, -1)
+        merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
+        best = tl.topk(merged, NPAD)
+    slot = tl.arange(0, NPAD)
+    chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
+    blocks = tl.where(chosen, INT32_MAX - (best & 0xFFFFFFFF).to(tl.int32), INT32_MAX)
+    blocks = tl.sort(blocks, dim=1)
+    blocks = tl.where(blocks == INT32_MAX, -1, blocks)
+    first_head = row_ok & (r % G == 0)
+    tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :], blocks,
+             mask=first_head[:, None] & (slot[None, :] < NUM_SELECTED))
+
+
+@triton.jit
+def _selected_fwd_kernel(
+    Q, K, V, IDX, O, LSE, tile_start, tile_end, tile_seq_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_R // G
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
+                                                BLOCK_R)
+    hq = h * G + r % G
+    t64 = t.to(tl.int64)
+    t0 = tl.load(tile_start + tile)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    slot = tl.arange(0, NPAD)
+    idx_ptr = IDX + b * stride_ib + h * stride_ih
+    mine = tl.load(idx_ptr + t64[:, None] * stride_it + slot[None, :],
+                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)  # [R, NPAD]
+    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    num_pos = tl.minimum(P, t_end - t0)
+    for pp in range(0, num_pos):
+        for c in range(0, NUM_SELECTED):
+            block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
+            # Visit each block once: skip it if an earlier position of the tile chose it.
+            earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
+            if (block >= 0) & (earlier == 0):
+                s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
+                s64 = s.to(tl.int64)
+                k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
+                k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh
+                            + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
+                            + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                if IEEE:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    scores = tl.dot(q, tl.trans(k))
+                row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
+                valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+                scores = tl.where(valid, scores * scale_log2, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_safe)
+                p = tl.exp2(scores - m_safe[:, None])
+                l = l * alpha + tl.sum(p, axis=1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("inf"))
+    tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
+             out, mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _selected_bwd_dq_kernel(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, tile_start, tile_end, tile_seq_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    P: tl.constexpr = BLOCK_R // G
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
+                                                BLOCK_R)
+    hq = h * G + r % G
+    t64 = t.to(tl.int64)
+    t0 = tl.load(tile_start + tile)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    slot = tl.arange(0, NPAD)
+    idx_ptr = IDX + b * stride_ib + h * stride_ih
+    mine = tl.load(idx_ptr + t64[:, None] * stride_it + slot[None, :],
+                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)
+    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+    num_pos = tl.minimum(P, t_end - t0)
+    for pp in range(0, num_pos):
+        for c in range(0, NUM_SELECTED):
+            block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
+            earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
+            if (block >= 0) & (earlier == 0):
+                s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
+                s64 = s.to(tl.int64)
+                k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
+                k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh
+                            + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+                v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
+                            + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+                if IEEE:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                else:
+                    scores = tl.dot(q, tl.trans(k))
+                    dp = tl.dot(do, tl.trans(v))
+                row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
+                valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+                p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+                ds = p * (dp - delta[:, None])
+                if IEEE:
+                    acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+                else:
+                    acc += tl.dot(ds.to(k.dtype), k)
+    dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
+    dq_mask = row_ok[:, None] & (dk[None, :] < DK)
+    prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
+    tl.store(dq_ptr, prev + acc * scale, mask=dq_mask)
+
+
+@triton.jit
+def _selected_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, block_token_start, block_token_end,
+    entry_offsets, entry_pos,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    H, NUM_GLOBAL_BLOCKS, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dK, dV of one selection block of one KV head, from the positions that selected it."""
+    P: tl.constexpr = BLOCK_R // G
+    gblock = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    s_lo = tl.load(block_token_start + gblock)
+    s_hi = tl.load(block_token_end + gblock)
+    s = s_lo + tl.arange(0, BLOCK_S)
+    s64 = s.to(tl.int64)
+    k_ok = s < s_hi
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    list_id = pid_bh * NUM_GLOBAL_BLOCKS + gblock
+    e_lo = tl.load(entry_offsets + list_id)
+    e_hi = tl.load(entry_offsets + list_id + 1)
+    acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
+    acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+    r = tl.arange(0, BLOCK_R)
+    for e0 in range(e_lo, e_hi, P):
+        e = e0 + r // G
+        row_ok = (r < P * G) & (e < e_hi)
+        t = tl.load(entry_pos + e, mask=row_ok, other=0)
+        hq = h * G + r % G
+        t64 = t.to(tl.int64)
+        q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh
+                    + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh
+                     + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV),
+                     other=0.0).to(q.dtype)
+        lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE:
+            acc_v += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+        else:
+            acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
+            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
+    tl.store(DK_OUT + b * stride_dkb + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
+             acc_k * scale, mask=k_ok[:, None] & (dk[None, :] < DK))
+    tl.store(DV_OUT + b * stride_dvb + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
+             acc_v, mask=k_ok[:, None] & (dv[None, :] < DV))
