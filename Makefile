@@ -25,7 +25,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 train: install
-	$(PY) -m nsa.train --preset tiny
+	$(PY) -m nsa.train --preset tiny --overwrite
 
 test: install-dev
 	$(PY) -m pytest -q

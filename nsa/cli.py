@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("--preset", default="tiny", choices=sorted(TRAIN_PRESETS))
     train_cmd.add_argument("--resume", action="store_true",
                            help="continue from run_dir/checkpoint.pt")
+    train_cmd.add_argument("--overwrite", action="store_true",
+                           help="start over in a run_dir that already holds a checkpoint")
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.set_defaults(run=run_train)
 
@@ -43,7 +45,7 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     except ValueError as error:
         parser.error(str(error))
     try:
-        train(config, resume=args.resume)
+        train(config, resume=args.resume, overwrite=args.overwrite)
     except RunDirError as error:
         parser.error(str(error))
 

@@ -20,7 +20,7 @@ CHECKPOINT = "checkpoint.pt"
 
 
 class RunDirError(Exception):
-    """The run directory does not fit the request: no checkpoint to resume, or one in the way."""
+    """There is no checkpoint where one was asked for."""
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -47,7 +47,8 @@ class Progress:
         except ImportError:
             tqdm = None
         self.total = total
-        self.bar = tqdm(initial=start, total=total, unit="step", dynamic_ncols=True) if tqdm else None
+        self.bar = None if tqdm is None else tqdm(initial=start, total=total, unit="step",
+                                                  dynamic_ncols=True)
 
     def update(self, step: int, summary: str) -> None:
         if self.bar is None:

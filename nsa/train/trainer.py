@@ -13,9 +13,7 @@ import torch
 from torch import nn
 
 from nsa.models import LanguageModel
-from nsa.train.checkpoint import (
-    CHECKPOINT, RunDirError, load_checkpoint, restore, save_checkpoint,
-)
+from nsa.train.checkpoint import CHECKPOINT, RunDirError, load_checkpoint, restore, save_checkpoint
 from nsa.train.config import RunConfig, TrainConfig
 from nsa.train.data import TRAIN_STREAM, VAL_STREAM, BatchSampler, load_corpus, split_tokens
 from nsa.train.metrics import MetricsLog, Progress
@@ -31,13 +29,16 @@ class TrainResult:
     sample: str
 
 
-def train(config: RunConfig, resume: bool = False) -> TrainResult:
-    """Train ``config`` in ``config.train.run_dir``; ``resume`` continues from its checkpoint."""
+def train(config: RunConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Train ``config`` in ``config.train.run_dir``.
+
+    ``resume`` continues from its checkpoint; ``overwrite`` lets a fresh run replace one.
+    """
     t = config.train
     if t.num_threads is not None:
         torch.set_num_threads(t.num_threads)
     device = resolve_device(t.device)
-    run_dir = prepare_run_dir(Path(t.run_dir), resume)
+    run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite)
     train_tokens, val_tokens = split_tokens(load_corpus(), t.val_fraction)
     train_batches = BatchSampler(train_tokens, t.batch_size, t.seq_len, t.seed, TRAIN_STREAM)
     val_batches = BatchSampler(val_tokens, t.batch_size, t.seq_len, t.seed, VAL_STREAM)
@@ -70,8 +71,7 @@ def train(config: RunConfig, resume: bool = False) -> TrainResult:
                       "tokens_per_s": throughput.read(),
                       "elapsed_s": time.perf_counter() - began}
             metrics.log(record)
-            progress.update(step, f"loss {record['loss']:.4f} | lr {lr:.2e} | "
-                                  f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s")
+            progress.update(step, summarize(record))
         if step % t.eval_interval == 0 and step < t.max_steps:
             val_loss = evaluate(model, val_batches, t.eval_steps, device, t.autocast)
             metrics.log({"step": step, "val_loss": val_loss})
@@ -88,7 +88,13 @@ def train(config: RunConfig, resume: bool = False) -> TrainResult:
     sample = generate_sample(model, t, device)
     print(f"\n{sample}\n\nfinal val loss {val_loss:.4f} nats/byte "
           f"({val_loss / math.log(2):.3f} bits/byte) after {t.max_steps} steps", flush=True)
-    return TrainResult(t.max_steps, None if loss is None else loss.item(), val_loss, run_dir, sample)
+    train_loss = None if loss is None else loss.item()
+    return TrainResult(t.max_steps, train_loss, val_loss, run_dir, sample)
+
+
+def summarize(record: dict) -> str:
+    return (f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad {record['grad_norm']:.2f}"
+            f" | {record['tokens_per_s']:,.0f} tok/s")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,13 +105,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
-    has_checkpoint = (run_dir / CHECKPOINT).is_file()
-    if resume and not has_checkpoint:
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool = False) -> Path:
+    """Create ``run_dir``. A fresh run never silently replaces an earlier run's checkpoint."""
+    checkpoint = run_dir / CHECKPOINT
+    if resume and not checkpoint.is_file():
         raise RunDirError(f"no checkpoint to resume from in {run_dir}")
-    if not resume and has_checkpoint:
-        raise RunDirError(f"{run_dir} already holds a checkpoint: pass --resume to continue "
-                          "it, or set run_dir=... to start a new run elsewhere")
+    if not resume and checkpoint.is_file():
+        if not overwrite:
+            raise RunDirError(
+                f"{run_dir} already holds a run: pass --resume to continue it, --overwrite to "
+                f"start over, or run_dir=... for a new directory")
+        print(f"{run_dir} holds an earlier run: starting over (--overwrite)")
+        checkpoint.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 

@@ -1,3 +1,5 @@
+from dataclasses import fields
+
 import pytest
 
 from nsa.models import MODEL_PRESETS, ModelConfig
@@ -7,6 +9,11 @@ from nsa.train.config import parse_value
 
 def test_presets_match_model_presets():
     assert TRAIN_PRESETS.keys() == MODEL_PRESETS.keys()
+
+
+def test_unprefixed_keys_are_unambiguous():
+    model_fields = {f.name for f in fields(ModelConfig)}
+    assert not model_fields & {f.name for f in fields(TrainConfig)}
 
 
 @pytest.mark.parametrize("preset", sorted(TRAIN_PRESETS))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from nsa.train.data import TRAIN_STREAM, VAL_STREAM, BatchSampler, load_corpus, split_tokens
@@ -49,3 +50,8 @@ def test_windows_cover_the_whole_range():
     tokens = torch.arange(40)
     x, y = BatchSampler(tokens, batch_size=2000, seq_len=8, seed=0, stream=0).batch(0)
     assert int(x[:, 0].min()) == 0 and int(y[:, -1].max()) == 39
+
+
+def test_too_short_split_is_rejected():
+    with pytest.raises(ValueError, match="seq_len=16"):
+        BatchSampler(torch.arange(16), batch_size=1, seq_len=16, seed=0, stream=0)

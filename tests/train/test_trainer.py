@@ -1,0 +1,204 @@
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nsa.cli
+from nsa.models import LanguageModel
+from nsa.train import build_config, sample_checkpoint, train
+from nsa.train.checkpoint import RunDirError, load_checkpoint
+from nsa.train.data import BatchSampler
+from nsa.train.metrics import METRICS, MetricsLog, Progress, read_metrics
+from nsa.train.trainer import build_optimizer, learning_rate, train_step
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
+
+
+def val_losses(run_dir):
+    return [(r["step"], r["val_loss"]) for r in read_metrics(run_dir / METRICS) if "val_loss" in r]
+
+
+def test_training_writes_checkpoint_metrics_and_sample(tiny_overrides, capsys):
+    result = train(build_config("tiny", [*tiny_overrides, "max_steps=3", "eval_interval=2"]))
+    assert result.steps == 3 and result.sample.startswith("ROMEO:")
+    assert math.isfinite(result.train_loss) and math.isfinite(result.val_loss)
+    assert load_checkpoint(result.run_dir)["step"] == 3
+    assert sorted(losses(result.run_dir)) == [1, 2, 3]
+    (step_a, _), (step_b, final) = val_losses(result.run_dir)  # one mid-run, one at the end
+    assert (step_a, step_b, final) == (2, 3, result.val_loss)
+    assert (result.run_dir / "config.json").is_file()
+    assert "final val loss" in capsys.readouterr().out
+
+
+def test_loss_goes_down(tiny_overrides):
+    result = train(build_config("tiny", [*tiny_overrides, "max_steps=30", "lr=1e-2",
+                                         "warmup_steps=5", "eval_interval=100"]))
+    history = losses(result.run_dir)
+    assert history[30] < history[1] - 1.0
+
+
+def test_resume_after_crash_matches_unbroken_run(tmp_path, tiny_overrides, monkeypatch):
+    common = [*tiny_overrides, "max_steps=6", "checkpoint_interval=3", "eval_interval=2",
+              "grad_accum=2"]
+    straight = train(build_config("tiny", [*common, f"run_dir={tmp_path / 'straight'}"]))
+
+    crashed = build_config("tiny", [*common, f"run_dir={tmp_path / 'crashed'}"])
+    real_batch = BatchSampler.batch
+
+    def crash_in_step_5(self, index):
+        if index == 8:  # step 5, first micro-batch: step 4 is logged but not checkpointed
+            raise KeyboardInterrupt
+        return real_batch(self, index)
+
+    monkeypatch.setattr(BatchSampler, "batch", crash_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed)
+    assert load_checkpoint(tmp_path / "crashed")["step"] == 3
+    assert sorted(losses(tmp_path / "crashed")) == [1, 2, 3, 4]
+    monkeypatch.undo()
+
+    resumed = train(crashed, resume=True)
+    assert losses(resumed.run_dir) == losses(straight.run_dir)  # exactly, steps 1..6 once each
+    assert val_losses(resumed.run_dir) == val_losses(straight.run_dir)
+    assert resumed.sample == straight.sample
+    a, b = load_checkpoint(straight.run_dir), load_checkpoint(resumed.run_dir)
+    for name, value in a["model"].items():
+        assert torch.equal(b["model"][name], value), name
+
+
+def test_resume_extends_a_finished_run(tiny_overrides):
+    first = train(build_config("tiny", [*tiny_overrides, "max_steps=2"]))
+    more = train(build_config("tiny", [*tiny_overrides, "max_steps=4"]), resume=True)
+    assert more.steps == 4 and sorted(losses(more.run_dir)) == [1, 2, 3, 4]
+    assert losses(more.run_dir)[2] == first.train_loss
+    again = train(build_config("tiny", [*tiny_overrides, "max_steps=4"]), resume=True)
+    assert again.train_loss is None and again.val_loss == more.val_loss  # nothing left to do
+
+
+def test_resume_needs_a_checkpoint_before_max_steps(tiny_overrides):
+    config = build_config("tiny", [*tiny_overrides, "max_steps=2"])
+    with pytest.raises(RunDirError, match="no checkpoint"):
+        train(config, resume=True)
+    train(config)
+    with pytest.raises(ValueError, match="past max_steps=1"):
+        train(build_config("tiny", [*tiny_overrides, "max_steps=1"]), resume=True)
+
+
+def test_fresh_run_refuses_to_replace_an_earlier_one_unless_asked(tiny_overrides, capsys):
+    first = train(build_config("tiny", [*tiny_overrides, "max_steps=3"]))
+    kept = load_checkpoint(first.run_dir)["step"]
+    with pytest.raises(RunDirError, match="--overwrite"):
+        train(build_config("tiny", [*tiny_overrides, "max_steps=2"]))
+    assert load_checkpoint(first.run_dir)["step"] == kept
+    again = train(build_config("tiny", [*tiny_overrides, "max_steps=2", "lr=1e-2"]),
+                  overwrite=True)
+    assert "starting over" in capsys.readouterr().out
+    assert sorted(losses(again.run_dir)) == [1, 2]
+    assert [step for step, _ in val_losses(again.run_dir)] == [2]
+    assert load_checkpoint(first.run_dir)["config"]["train"]["lr"] == 1e-2
+
+
+def test_learning_rate_schedule():
+    t = build_config("tiny", ["max_steps=100", "warmup_steps=10", "lr=1e-3", "min_lr=1e-4"]).train
+    rates = [learning_rate(step, t) for step in range(1, 101)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)  # linear warmup
+    assert all(a >= b for a, b in zip(rates[9:-1], rates[10:], strict=True))  # then decays
+    assert rates[-1] == pytest.approx(1e-4)
+    no_warmup = build_config("tiny", ["max_steps=100", "warmup_steps=0", "lr=1e-3"]).train
+    assert learning_rate(1, no_warmup) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_weight_decay_only_on_matrices(tiny_overrides):
+    config = build_config("tiny", tiny_overrides)
+    model = LanguageModel(config.model)
+    decay, no_decay = build_optimizer(model, config.train).param_groups
+    assert decay["weight_decay"] == config.train.weight_decay and no_decay["weight_decay"] == 0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("grad_clip", ["none", "0.5"])
+def test_gradient_accumulation_matches_one_big_batch(tiny_overrides, grad_clip):
+    x = torch.randint(0, 256, (4, 32))
+    y = torch.randint(0, 256, (4, 32))
+    results = []
+    for accum, batches in ((1, [(x, y)]), (2, [(x[:2], y[:2]), (x[2:], y[2:])])):
+        config = build_config("tiny", [*tiny_overrides, f"grad_accum={accum}",
+                                       f"grad_clip={grad_clip}"])
+        torch.manual_seed(0)
+        model = LanguageModel(config.model)
+        optimizer = build_optimizer(model, config.train)
+        loss, norm = train_step(model, optimizer, batches, torch.device("cpu"), config.train)
+        results.append((loss, norm, torch.nn.utils.parameters_to_vector(model.parameters())))
+    (loss1, norm1, params1), (loss2, norm2, params2) = results
+    torch.testing.assert_close(loss2, loss1)
+    torch.testing.assert_close(norm2, norm1)
+    torch.testing.assert_close(params2, params1)
+
+
+def test_metrics_log_drops_records_after_the_resume_step(tmp_path):
+    log = MetricsLog(tmp_path, start_step=0)
+    for step in (1, 2, 3):
+        log.log({"step": step, "loss": float(step)})
+    with (tmp_path / METRICS).open("a") as f:
+        f.write('{"step": 4, "lo')  # torn by a crash
+    MetricsLog(tmp_path, start_step=2)
+    assert read_metrics(tmp_path / METRICS) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+
+
+def test_progress_prints_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
+    progress = Progress(0, 10)
+    progress.update(5, "loss 1.0")
+    progress.write("val loss 2.0")
+    progress.close()
+    assert capsys.readouterr().out == "step 5/10 | loss 1.0\nval loss 2.0\n"
+
+
+def test_progress_uses_tqdm_when_installed(capsys):
+    pytest.importorskip("tqdm")
+    progress = Progress(2, 10)
+    progress.update(5, "loss 1.0")
+    assert progress.bar.n == 5
+    progress.write("val loss 2.0")
+    progress.close()
+    assert "val loss 2.0" in capsys.readouterr().out
+
+
+def test_cli_train_resume_and_sample(tiny_overrides, capsys):
+    nsa.cli.main(["train", "--preset", "tiny", *tiny_overrides, "max_steps=2", "grad_clip=none"])
+    assert "final val loss" in capsys.readouterr().out
+    nsa.cli.main(["train", *tiny_overrides, "--resume", "max_steps=3", "grad_clip=none"])
+    assert "steps 2 -> 3" in capsys.readouterr().out
+    run_dir = tiny_overrides[-1].split("=", 1)[1]
+    nsa.cli.main(["sample", "--run-dir", run_dir, "--prompt", "JULIET:", "--tokens", "5"])
+    assert capsys.readouterr().out.startswith("JULIET:")
+    assert sample_checkpoint(Path(run_dir), num_tokens=0) == "ROMEO:"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "bogus=1"], "unknown config key 'bogus'"),
+    (["train", "lr=fast"], "lr: cannot parse 'fast'"),
+    (["train", "--preset", "huge"], "invalid choice: 'huge'"),
+    (["train", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["sample", "--run-dir", "nowhere", "x=1"], "unrecognized arguments: x=1"),
+    (["sample", "--run-dir", "nowhere"], "no checkpoint"),
+])
+def test_cli_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        nsa.cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_m_nsa_train_runs_the_train_command():
+    repo = Path(nsa.cli.__file__).parents[1]
+    out = subprocess.run([sys.executable, "-m", "nsa.train", "--help"], capture_output=True,
+                         text=True, check=True, cwd=repo).stdout
+    assert out.startswith("usage: nsa train")
