@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before anything imports them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -6,19 +6,33 @@ import torch
 
 from nsa.ops.params import NSAParams, check_attention_inputs, check_backend, check_select_inputs
 from nsa.ops.torch_backend import nsa_attention_torch, nsa_select_torch
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET, TRITON_MISSING_REASON
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """"auto": Triton for CUDA tensors (when Triton is installed), PyTorch otherwise."""
     check_backend(backend)
-    # "auto" picks the PyTorch backend until the Triton kernels land.
-    return "torch"
+    if backend == "auto":
+        return "triton" if q.is_cuda and TRITON_AVAILABLE and q.dtype in TRITON_DTYPES else "torch"
+    if backend == "triton":
+        if not TRITON_AVAILABLE:
+            raise ValueError(f"backend='triton' needs Triton: {TRITON_MISSING_REASON}")
+        if not (q.is_cuda or TRITON_INTERPRET):
+            raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
+                             f"got q on {q.device}")
+        if q.dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend='triton' supports {TRITON_DTYPES}, got q of {q.dtype}")
+    return backend
 
 
 def _scale(scale, head_dim: int) -> float:
     if scale is None:
         return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or not 0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
     return float(scale)
 
 
@@ -39,7 +53,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
             l, d, l', n, w and the forced blocks of the spec.
         scale: softmax scale of all three branches, default Dk ** -0.5.
         cu_seqlens: int32 [N+1] with B = 1 packs N sequences along T (k_cmp packed likewise).
-        backend: "auto", "torch" or "triton".
+        backend: "auto" (Triton for CUDA tensors, PyTorch otherwise), "torch" or "triton".
 
     Returns:
         [B, T, HQ, Dv] in the dtype of ``q``.
@@ -47,9 +61,14 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init, num_local)
     check_attention_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, cu_seqlens)
     scale = _scale(scale, q.shape[-1])
-    _resolve_backend(backend, q.device)
+    backend = _resolve_backend(backend, q)
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
+    if backend == "triton":
+        from nsa.ops.triton.attention import nsa_attention_triton
+
+        return nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale,
+                                    cu_seqlens)
     return nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale, cu_seqlens)
 
 
@@ -70,5 +89,8 @@ def nsa_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selec
                        num_local=num_local)
     check_select_inputs(q, k_cmp, params, cu_seqlens)
     scale = _scale(scale, q.shape[-1])
-    _resolve_backend(backend, q.device)
+    if _resolve_backend(backend, q) == "triton":
+        from nsa.ops.triton.attention import nsa_select_triton
+
+        return nsa_select_triton(q, k_cmp, params, scale, cu_seqlens)
     return nsa_select_torch(q, k_cmp, params, scale, cu_seqlens)

@@ -63,10 +63,6 @@ def compressed_length(seq_len: int, cmp_block: int, cmp_stride: int) -> int:
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        raise ValueError(
-            "backend='triton' is not available yet: use backend='torch' (or 'auto')"
-        )
 
 
 def _check_tensor(name: str, x, rank: int) -> None:
@@ -99,8 +95,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device)
         return
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
     if batch != 1:

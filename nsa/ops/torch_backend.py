@@ -178,15 +178,22 @@ def _window_branch(q, k_win, v_win, layout, t0, t1, params, scale):
     return out
 
 
-def _attention_chunk(q, k, v, k_cmp, v_cmp, k_win, v_win, gates, *, layout, t0, t1, params, scale):
-    """NSA output for queries [t0, t1): q [B, C, HQ, Dk], gates [B, C, HQ, 3] -> [B, C, HQ, Dv]."""
+def _attention_chunk(q, k, v, k_cmp, v_cmp, k_win, v_win, gates, *, layout, t0, t1, params, scale,
+                     indices=None):
+    """NSA output for queries [t0, t1): q [B, C, HQ, Dk], gates [B, C, HQ, 3] -> [B, C, HQ, Dv].
+
+    ``indices`` [B, C, H, n], when given, replaces the selection (tests compare backends on
+    the same blocks this way)."""
     B, C, HQ, _ = q.shape
     H = k.shape[2]
     dtype = _compute_dtype(q.dtype)
     qh = _split_heads(q.to(dtype), H)  # [B, H, G, C, Dk]
     o_cmp, p_cmp, cmp_idx = _compressed_branch(qh, k_cmp, v_cmp, layout, t0, t1, params, scale)
-    num_blocks = (t1 - 1) // params.sel_block + 1
-    indices = select_blocks(p_cmp.detach(), cmp_idx, layout.pos[t0:t1], params, num_blocks)
+    if indices is None:
+        num_blocks = (t1 - 1) // params.sel_block + 1
+        indices = select_blocks(p_cmp.detach(), cmp_idx, layout.pos[t0:t1], params, num_blocks)
+    else:
+        indices = indices.permute(0, 2, 1, 3).long()  # [B, H, C, n]
     o_slc = _selected_branch(qh, k, v, indices, layout, t0, t1, params, scale)
     o_win = _window_branch(qh, k_win, v_win, layout, t0, t1, params, scale)
     g = _split_heads(gates.to(dtype), H)  # [B, H, G, C, 3]
@@ -195,8 +202,12 @@ def _attention_chunk(q, k, v, k_cmp, v_cmp, k_win, v_win, gates, *, layout, t0, 
 
 
 def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
-                        scale: float, cu_seqlens=None, chunk_size: int | None = None):
-    """PyTorch NSA forward (autograd gives the backward). Inputs already validated."""
+                        scale: float, cu_seqlens=None, chunk_size: int | None = None,
+                        indices=None):
+    """PyTorch NSA forward (autograd gives the backward). Inputs already validated.
+
+    ``indices`` [B, T, H, n] optionally fixes the selected blocks instead of selecting them.
+    """
     B, T, HQ, _ = q.shape
     dtype = _compute_dtype(q.dtype)
     # Keys and values are cast once, not per chunk.
@@ -209,7 +220,8 @@ def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAP
     outputs = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        run = partial(_attention_chunk, layout=layout, t0=t0, t1=t1, params=params, scale=scale)
+        run = partial(_attention_chunk, layout=layout, t0=t0, t1=t1, params=params, scale=scale,
+                      indices=None if indices is None else indices[:, t0:t1])
         args = (q[:, t0:t1], k, v, k_cmp, v_cmp, k_win, v_win, gates[:, t0:t1])
         outputs.append(checkpoint(run, *args, use_reentrant=False) if needs_grad else run(*args))
     if not outputs:  # T == 0

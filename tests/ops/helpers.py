@@ -11,16 +11,30 @@ INPUT_NAMES = ("q", "k", "v", "k_cmp", "v_cmp", "gates", "k_win", "v_win")
 SELECT_KEYS = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "num_init", "num_local")
 
 # Small blocks so that selection is non-trivial at tiny T.
-SMALL = dict(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=5, num_init=1, num_local=1)
+SMALL = dict(
+    cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=5, num_init=1, num_local=1
+)
 
 
 def shape_id(B, T, HQ, H, Dk, Dv=None):
     return f"B{B}-T{T}-HQ{HQ}-H{H}-Dk{Dk}" + ("" if Dv is None else f"-Dv{Dv}")
 
 
+def dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
 def params_id(p):
-    names = dict(cmp_block="l", cmp_stride="d", sel_block="ls", num_selected="n", window="w",
-                 num_init="init", num_local="local", scale="scale")
+    names = dict(
+        cmp_block="l",
+        cmp_stride="d",
+        sel_block="ls",
+        num_selected="n",
+        window="w",
+        num_init="init",
+        num_local="local",
+        scale="scale",
+    )
     return "-".join(f"{names[k]}{v}" for k, v in p.items())
 
 
@@ -37,11 +51,28 @@ def score_params(p):
 def total_compressed_length(T, cu_seqlens, cmp_block, cmp_stride):
     if cu_seqlens is None:
         return compressed_length(T, cmp_block, cmp_stride)
-    return sum(ceos - cbos for _, _, _, cbos, ceos in sequences(1, T, cu_seqlens, cmp_block, cmp_stride))
+    return sum(
+        ceos - cbos for _, _, _, cbos, ceos in sequences(1, T, cu_seqlens, cmp_block, cmp_stride)
+    )
 
 
-def make_inputs(B, T, HQ, H, Dk, Dv, *, cmp_block, cmp_stride, dtype=torch.float64, seed=0,
-                cu_seqlens=None, separate_win=True, gates=None, **_):
+def make_inputs(
+    B,
+    T,
+    HQ,
+    H,
+    Dk,
+    Dv,
+    *,
+    cmp_block,
+    cmp_stride,
+    dtype=torch.float64,
+    seed=0,
+    cu_seqlens=None,
+    separate_win=True,
+    gates=None,
+    **_,
+):
     """Random NSA inputs (drawn in float64, then cast, so every dtype sees the same values).
 
     gates: None for random values in (0, 1), or a 3-tuple broadcast to [B, T, HQ, 3].
@@ -52,9 +83,14 @@ def make_inputs(B, T, HQ, H, Dk, Dv, *, cmp_block, cmp_stride, dtype=torch.float
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    x = dict(q=rnd(B, T, HQ, Dk), k=rnd(B, T, H, Dk), v=rnd(B, T, H, Dv),
-             k_cmp=rnd(B, Tc, H, Dk), v_cmp=rnd(B, Tc, H, Dv),
-             gates=torch.rand(B, T, HQ, 3, generator=gen, dtype=torch.float64))
+    x = dict(
+        q=rnd(B, T, HQ, Dk),
+        k=rnd(B, T, H, Dk),
+        v=rnd(B, T, H, Dv),
+        k_cmp=rnd(B, Tc, H, Dk),
+        v_cmp=rnd(B, Tc, H, Dv),
+        gates=torch.rand(B, T, HQ, 3, generator=gen, dtype=torch.float64),
+    )
     if separate_win:
         x["k_win"], x["v_win"] = rnd(B, T, H, Dk), rnd(B, T, H, Dv)
     if gates is not None:
@@ -111,8 +147,9 @@ def gqa_sdpa(q, k, v, mask, scale=None):
     G = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(G, dim=2)
     v = v.repeat_interleave(G, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, scale=scale).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    ).transpose(1, 2)
     empty = ~mask.any(dim=1)  # [T]
     return out.masked_fill(empty[None, :, None, None], 0.0)
 
@@ -149,14 +186,22 @@ def assert_index_format(idx, B, T, H, *, sel_block, num_selected, cu_seqlens=Non
             for g in range(H):
                 row = rows[b][pos][g]
                 valid = [j for j in row if j != -1]
-                assert row == valid + [-1] * (num_selected - len(valid)), f"(b={b}, t={pos}, g={g}): {row} not padded at the end"
-                assert valid == sorted(set(valid)), f"(b={b}, t={pos}, g={g}): {row} not strictly ascending"
-                assert all(0 <= j <= t // sel_block for j in valid), f"(b={b}, t={pos}, g={g}): {row} not a candidate"
-                assert len(valid) == expected_count, f"(b={b}, t={pos}, g={g}): {row} has {len(valid)} blocks, want {expected_count}"
+                assert row == valid + [-1] * (num_selected - len(valid)), (
+                    f"(b={b}, t={pos}, g={g}): {row} not padded at the end"
+                )
+                assert valid == sorted(set(valid)), (
+                    f"(b={b}, t={pos}, g={g}): {row} not strictly ascending"
+                )
+                assert all(0 <= j <= t // sel_block for j in valid), (
+                    f"(b={b}, t={pos}, g={g}): {row} not a candidate"
+                )
+                assert len(valid) == expected_count, (
+                    f"(b={b}, t={pos}, g={g}): {row} has {len(valid)} blocks, want {expected_count}"
+                )
 
 
 def boundary_gap(scores, t, *, sel_block, num_selected, num_init, num_local):
-    """Score gap between the last chosen and the first left-out non-forced candidate (inf if none)."""
+    """Gap between the last chosen and the first left-out non-forced score (inf if none)."""
     num_candidates = t // sel_block + 1
     if num_candidates <= num_selected:
         return math.inf
@@ -168,19 +213,31 @@ def boundary_gap(scores, t, *, sel_block, num_selected, num_init, num_local):
     return others[k - 1] - others[k]
 
 
-def selection_margin(scores, T, *, B=1, cu_seqlens=None, sel_block, num_selected, num_init, num_local, **_):
+def selection_margin(
+    scores, T, *, B=1, cu_seqlens=None, sel_block, num_selected, num_init, num_local, **_
+):
     """Smallest boundary gap over every (b, t, g): how far the selection is from a tie."""
     margin = math.inf
     for b, bos, eos, _, _ in sequences(B, T, cu_seqlens, 1, 1):
         for t in range(eos - bos):
             for s in scores[b][bos + t]:
-                margin = min(margin, boundary_gap(s, t, sel_block=sel_block, num_selected=num_selected,
-                                                  num_init=num_init, num_local=num_local))
+                margin = min(
+                    margin,
+                    boundary_gap(
+                        s,
+                        t,
+                        sel_block=sel_block,
+                        num_selected=num_selected,
+                        num_init=num_init,
+                        num_local=num_local,
+                    ),
+                )
     return margin
 
 
-def assert_selection_valid(idx, scores, T, *, B=1, cu_seqlens=None, sel_block, num_selected,
-                           num_init, num_local, tol, **_):
+def assert_selection_valid(
+    idx, scores, T, *, B=1, cu_seqlens=None, sel_block, num_selected, num_init, num_local, tol, **_
+):
     """The package's sets are a correct selection for the reference scores, modulo near-ties < tol.
 
     Forced blocks present, n blocks (or all candidates), and no left-out non-forced candidate
@@ -191,7 +248,8 @@ def assert_selection_valid(idx, scores, T, *, B=1, cu_seqlens=None, sel_block, n
         for t in range(eos - bos):
             for g, s in enumerate(scores[b][bos + t]):
                 chosen = set(sets[b][bos + t][g])
-                where = f"(b={b}, t={bos + t}, g={g}): chosen {sorted(chosen)}, scores {[round(x, 6) for x in s]}"
+                rounded = [round(x, 6) for x in s]
+                where = f"(b={b}, t={bos + t}, g={g}): chosen {sorted(chosen)}, scores {rounded}"
                 num_candidates = t // sel_block + 1
                 if num_candidates <= num_selected:
                     assert chosen == set(range(num_candidates)), where

@@ -39,7 +39,7 @@ def overlap(a0, a1, b0, b1):
 
 
 def sequences(B, T, cu_seqlens, cmp_block, cmp_stride):
-    """Yield (b, bos, eos, cmp_bos, cmp_eos) for every sequence: each batch row, or each varlen piece."""
+    """Yield (b, bos, eos, cmp_bos, cmp_eos) per sequence: each batch row, or each varlen piece."""
     if cu_seqlens is None:
         Tc = compressed_length(T, cmp_block, cmp_stride)
         for b in range(B):
@@ -47,7 +47,7 @@ def sequences(B, T, cu_seqlens, cmp_block, cmp_stride):
         return
     bounds = [int(x) for x in cu_seqlens.tolist()]
     cmp_bos = 0
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
+    for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
         Tc = compressed_length(eos - bos, cmp_block, cmp_stride)
         yield 0, bos, eos, cmp_bos, cmp_bos + Tc
         cmp_bos += Tc
@@ -89,14 +89,18 @@ def _head_block_scores(q_th, k_cmp_g, t, Tc, *, cmp_block, cmp_stride, sel_block
     p_cmp = torch.softmax(logits, dim=0).tolist()
     for j in range(num_candidates):
         total = 0.0
-        for p, i in zip(p_cmp, vis):
-            ov = overlap(i * cmp_stride, i * cmp_stride + cmp_block, j * sel_block, (j + 1) * sel_block)
+        for p, i in zip(p_cmp, vis, strict=True):
+            ov = overlap(
+                i * cmp_stride, i * cmp_stride + cmp_block, j * sel_block, (j + 1) * sel_block
+            )
             total += p * ov / cmp_block
         p_slc[j] = total
     return p_slc
 
 
-def naive_group_scores(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, scale=None, cu_seqlens=None):
+def naive_group_scores(
+    q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, scale=None, cu_seqlens=None
+):
     """s[b][t][g] = list over candidates j of Σ_{h in group g} p_slc[t, h, j] (float64, no grad)."""
     B, T, HQ, Dk = q.shape
     H = k_cmp.shape[2]
@@ -112,27 +116,57 @@ def naive_group_scores(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, s
                 s = [0.0] * (t // sel_block + 1)
                 for h in range(g * G, (g + 1) * G):
                     p_slc = _head_block_scores(
-                        q[b, bos + t, h], k_cmp[b, cbos:ceos, g], t, ceos - cbos,
-                        cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, scale=scale,
+                        q[b, bos + t, h],
+                        k_cmp[b, cbos:ceos, g],
+                        t,
+                        ceos - cbos,
+                        cmp_block=cmp_block,
+                        cmp_stride=cmp_stride,
+                        sel_block=sel_block,
+                        scale=scale,
                     )
-                    s = [a + c for a, c in zip(s, p_slc)]
+                    s = [a + c for a, c in zip(s, p_slc, strict=True)]
                 row.append(s)
             out[b][bos + t] = row
     return out
 
 
-def naive_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16,
-                 num_init=1, num_local=2, scale=None, cu_seqlens=None):
+def naive_select(
+    q,
+    k_cmp,
+    *,
+    cmp_block=32,
+    cmp_stride=16,
+    sel_block=64,
+    num_selected=16,
+    num_init=1,
+    num_local=2,
+    scale=None,
+    cu_seqlens=None,
+):
     """sets[b][t][g]: ascending list of the selected block indices (local to the sequence)."""
     B, T = q.shape[:2]
-    scores = naive_group_scores(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
-                                sel_block=sel_block, scale=scale, cu_seqlens=cu_seqlens)
+    scores = naive_group_scores(
+        q,
+        k_cmp,
+        cmp_block=cmp_block,
+        cmp_stride=cmp_stride,
+        sel_block=sel_block,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+    )
     sets = [[None] * T for _ in range(B)]
     for b, bos, eos, _, _ in sequences(B, T, cu_seqlens, cmp_block, cmp_stride):
         for t in range(eos - bos):
             sets[b][bos + t] = [
-                select_from_scores(s, t, sel_block=sel_block, num_selected=num_selected,
-                                   num_init=num_init, num_local=num_local)
+                select_from_scores(
+                    s,
+                    t,
+                    sel_block=sel_block,
+                    num_selected=num_selected,
+                    num_init=num_init,
+                    num_local=num_local,
+                )
                 for s in scores[b][bos + t]
             ]
     return sets
@@ -153,7 +187,9 @@ def sets_to_index(sets, num_selected):
 def index_to_sets(idx):
     """Index tensor [B, T, H, n] (-1 = padding) → nested sets (sorted lists)."""
     idx = idx.tolist()
-    return [[[sorted(j for j in row if j >= 0) for row in per_t] for per_t in per_b] for per_b in idx]
+    return [
+        [[sorted(j for j in row if j >= 0) for row in per_t] for per_t in per_b] for per_b in idx
+    ]
 
 
 def _attend(q_th, keys, values, scale):
@@ -164,9 +200,27 @@ def _attend(q_th, keys, values, scale):
     return p @ values
 
 
-def naive_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None, cmp_block=32,
-                    cmp_stride=16, sel_block=64, num_selected=16, window=512, num_init=1,
-                    num_local=2, scale=None, cu_seqlens=None, selected=None):
+def naive_attention(
+    q,
+    k,
+    v,
+    k_cmp,
+    v_cmp,
+    gates,
+    *,
+    k_win=None,
+    v_win=None,
+    cmp_block=32,
+    cmp_stride=16,
+    sel_block=64,
+    num_selected=16,
+    window=512,
+    num_init=1,
+    num_local=2,
+    scale=None,
+    cu_seqlens=None,
+    selected=None,
+):
     """NSA output [B, T, HQ, Dv] in the inputs' dtype; differentiable.
 
     `selected` overrides the selection: nested sets or an index tensor [B, T, H, n]
@@ -179,9 +233,18 @@ def naive_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None, cmp
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     if selected is None:
-        selected = naive_select(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
-                                sel_block=sel_block, num_selected=num_selected, num_init=num_init,
-                                num_local=num_local, scale=scale, cu_seqlens=cu_seqlens)
+        selected = naive_select(
+            q,
+            k_cmp,
+            cmp_block=cmp_block,
+            cmp_stride=cmp_stride,
+            sel_block=sel_block,
+            num_selected=num_selected,
+            num_init=num_init,
+            num_local=num_local,
+            scale=scale,
+            cu_seqlens=cu_seqlens,
+        )
     elif torch.is_tensor(selected):
         selected = index_to_sets(selected)
 
@@ -197,8 +260,12 @@ def naive_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None, cmp
                 q_th = q[b, pos, h]
                 cmp_rows = [cbos + i for i in vis]
                 o_cmp = _attend(q_th, k_cmp[b, cmp_rows, g], v_cmp[b, cmp_rows, g], scale)
-                toks = [s for j in selected[b][pos][g]
-                        for s in range(j * sel_block, (j + 1) * sel_block) if s <= t]
+                toks = [
+                    s
+                    for j in selected[b][pos][g]
+                    for s in range(j * sel_block, (j + 1) * sel_block)
+                    if s <= t
+                ]
                 slc_rows = [bos + s for s in toks]
                 o_slc = _attend(q_th, k[b, slc_rows, g], v[b, slc_rows, g], scale)
                 win_rows = [bos + s for s in win]
@@ -225,6 +292,8 @@ def exact_group_scores(weights, t, Tc, *, cmp_block, cmp_stride, sel_block):
         total = sum(wv.values())
         for j in range(len(s)):
             for i, wi in wv.items():
-                ov = overlap(i * cmp_stride, i * cmp_stride + cmp_block, j * sel_block, (j + 1) * sel_block)
+                ov = overlap(
+                    i * cmp_stride, i * cmp_stride + cmp_block, j * sel_block, (j + 1) * sel_block
+                )
                 s[j] += wi / total * Fraction(ov, cmp_block)
     return s

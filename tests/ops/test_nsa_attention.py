@@ -1,4 +1,4 @@
-"""nsa_attention against the naive oracle and the spec's consequences: outputs and every gradient."""
+"""nsa_attention against the naive oracle and the spec's consequences: output, every gradient."""
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from tests.ops.helpers import (
     call,
     causal_mask,
     compressed_mask,
+    dtype_id,
     forward_backward,
     gqa_sdpa,
     make_inputs,
@@ -23,14 +24,20 @@ from tests.ops.helpers import (
     shape_id,
     to_double,
 )
-from tests.ops.naive_reference import compressed_length, naive_attention, naive_group_scores, naive_select, sets_to_index
+from tests.ops.naive_reference import (
+    compressed_length,
+    naive_attention,
+    naive_group_scores,
+    naive_select,
+    sets_to_index,
+)
 
 SHAPES = [  # B, T, HQ, H, Dk, Dv
-    (1, 1, 1, 1, 8, 8),     # a single token, no compressed token
-    (2, 3, 2, 1, 8, 4),     # T < cmp_block
-    (1, 9, 2, 2, 4, 12),    # T just past a selection block, G = 1
-    (2, 37, 6, 2, 16, 8),   # T a multiple of no block, G = 3
-    (1, 24, 8, 1, 8, 16),   # T a multiple of every block, G = 8
+    (1, 1, 1, 1, 8, 8),  # a single token, no compressed token
+    (2, 3, 2, 1, 8, 4),  # T < cmp_block
+    (1, 9, 2, 2, 4, 12),  # T just past a selection block, G = 1
+    (2, 37, 6, 2, 16, 8),  # T a multiple of no block, G = 3
+    (1, 24, 8, 1, 8, 16),  # T a multiple of every block, G = 8
 ]
 SHAPE_IDS = [shape_id(*s) for s in SHAPES]
 
@@ -39,10 +46,13 @@ PARAMS = [
     dict(cmp_block=4, cmp_stride=2, sel_block=4, num_selected=4, window=3, num_init=1, num_local=2),
     dict(cmp_block=8, cmp_stride=4, sel_block=4, num_selected=3, window=7, num_init=0, num_local=0),
     dict(cmp_block=4, cmp_stride=4, sel_block=8, num_selected=2, window=1, num_init=2, num_local=0),
-    dict(cmp_block=6, cmp_stride=3, sel_block=9, num_selected=2, window=40, num_init=0, num_local=1),
+    dict(
+        cmp_block=6, cmp_stride=3, sel_block=9, num_selected=2, window=40, num_init=0, num_local=1
+    ),
 ]
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# The spec's tolerances; float16 (3 more mantissa bits than bfloat16) gets 1e-2 / 5.
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 SCORE_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 LENGTHS = [5, 1, 17, 9]
@@ -83,8 +93,9 @@ def test_window_kv_default_to_k_v(B, T, HQ, H, Dk, Dv):
     ref, ref_grads = forward_backward(naive_attention, x, do, **p)
     assert_all_rel_close(out, grads, ref, ref_grads, TOL[torch.float64])
     # passing k_win=k, v_win=v explicitly is the same function
-    explicit = nsa.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],
-                                 k_win=x["k"], v_win=x["v"], **p)
+    explicit = nsa.nsa_attention(
+        x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"], k_win=x["k"], v_win=x["v"], **p
+    )
     assert_rel_close("explicit k_win=k, v_win=v", explicit, out, 1e-14)
 
 
@@ -123,7 +134,7 @@ def test_non_default_scale():
 LOW_SHAPES = [(2, 37, 6, 2, 16, 8), (1, 40, 4, 1, 32, 16), (1, 5, 2, 1, 8, 8)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("p", PARAMS[:3], ids=params_id)
 @pytest.mark.parametrize("B,T,HQ,H,Dk,Dv", LOW_SHAPES, ids=[shape_id(*s) for s in LOW_SHAPES])
 def test_low_precision_matches_float64_with_same_blocks(B, T, HQ, H, Dk, Dv, p, dtype):
@@ -173,18 +184,24 @@ def test_window_branch_equals_sdpa(B, T, HQ, H, Dk, Dv, window):
     assert_rel_close("dk_win", grads["k_win"], dk, 1e-12)
     assert_rel_close("dv_win", grads["v_win"], dv, 1e-12)
     for name in ("k", "v", "k_cmp", "v_cmp"):
-        assert grads[name].abs().max().item() == 0.0, f"d{name} should be 0 with gates (0, 0, 1)"
+        assert torch.count_nonzero(grads[name]) == 0, f"d{name} should be 0 with gates (0, 0, 1)"
 
 
 SLC_CASES = [  # T, sel_block, num_selected with n·l' ≥ T
-    (24, 8, 3), (37, 4, 10), (9, 8, 2), (1, 8, 1), (50, 16, 4),
+    (24, 8, 3),
+    (37, 4, 10),
+    (9, 8, 2),
+    (1, 8, 1),
+    (50, 16, 4),
 ]
 
 
 @pytest.mark.parametrize("T,ls,n", SLC_CASES, ids=[f"T{T}-ls{ls}-n{n}" for T, ls, n in SLC_CASES])
 @pytest.mark.parametrize("HQ,H", [(2, 2), (6, 2), (8, 1)], ids=["G1", "G3", "G8"])
 def test_selected_branch_with_all_blocks_equals_causal_sdpa(T, ls, n, HQ, H):
-    p = dict(cmp_block=4, cmp_stride=2, sel_block=ls, num_selected=n, window=2, num_init=1, num_local=0)
+    p = dict(
+        cmp_block=4, cmp_stride=2, sel_block=ls, num_selected=n, window=2, num_init=1, num_local=0
+    )
     x = make_inputs(1, T, HQ, H, 8, 4, seed=7, gates=(0.0, 1.0, 0.0), **p)
     do = _grad_out(x)
     out, grads = forward_backward(nsa.nsa_attention, x, do, **p)
@@ -198,22 +215,34 @@ def test_selected_branch_with_all_blocks_equals_causal_sdpa(T, ls, n, HQ, H):
 CMP_CASES = [(4, 2), (4, 4), (8, 4), (6, 3), (1, 1)]
 
 
-@pytest.mark.parametrize("l,d", CMP_CASES, ids=[f"l{l}-d{d}" for l, d in CMP_CASES])
+@pytest.mark.parametrize("lc,d", CMP_CASES, ids=[f"l{lc}-d{d}" for lc, d in CMP_CASES])
 @pytest.mark.parametrize("B,T,HQ,H,Dk,Dv", SDPA_SHAPES, ids=SDPA_IDS)
-def test_compressed_branch_equals_masked_sdpa(B, T, HQ, H, Dk, Dv, l, d):
-    """gates (1, 0, 0): attention over compressed tokens with i·d + l - 1 ≤ t, 0 if none is visible."""
-    p = dict(cmp_block=l, cmp_stride=d, sel_block=2 * l, num_selected=2, window=3, num_init=1, num_local=1)
+def test_compressed_branch_equals_masked_sdpa(B, T, HQ, H, Dk, Dv, lc, d):
+    """gates (1, 0, 0): attention over the compressed tokens with i·d + l - 1 ≤ t (0 if none)."""
+    p = dict(
+        cmp_block=lc,
+        cmp_stride=d,
+        sel_block=2 * lc,
+        num_selected=2,
+        window=3,
+        num_init=1,
+        num_local=1,
+    )
     x = make_inputs(B, T, HQ, H, Dk, Dv, seed=8, gates=(1.0, 0.0, 0.0), **p)
     do = _grad_out(x)
     out, grads = forward_backward(nsa.nsa_attention, x, do, **p)
-    Tc = compressed_length(T, l, d)
-    ref, dq, dk, dv = _sdpa_fwd_bwd(x["q"], x["k_cmp"], x["v_cmp"], compressed_mask(T, Tc, l, d), do)
+    Tc = compressed_length(T, lc, d)
+    ref, dq, dk, dv = _sdpa_fwd_bwd(
+        x["q"], x["k_cmp"], x["v_cmp"], compressed_mask(T, Tc, lc, d), do
+    )
     assert_rel_close("output", out, ref, 1e-12)
     assert_rel_close("dq", grads["q"], dq, 1e-12)
     assert_rel_close("dk_cmp", grads["k_cmp"], dk, 1e-12)
     assert_rel_close("dv_cmp", grads["v_cmp"], dv, 1e-12)
-    empty = min(T, l - 1)  # positions t < l - 1 see no compressed token
-    assert torch.count_nonzero(out[:, :empty]) == 0, "o_cmp must be 0 when no compressed token is visible"
+    empty = min(T, lc - 1)  # positions t < l - 1 see no compressed token
+    assert torch.count_nonzero(out[:, :empty]) == 0, (
+        "o_cmp must be 0 when no compressed token is visible"
+    )
 
 
 BRANCH_GATES = {"cmp": (1.0, 0.0, 0.0), "slc": (0.0, 1.0, 0.0), "win": (0.0, 0.0, 1.0), "all": None}
@@ -239,9 +268,14 @@ def test_causality(branch, p):
                 noise *= torch.tensor(BRANCH_GATES[branch], dtype=val.dtype)
             y[name] = torch.where(future[None, :, None, None], val + noise, val)
         moved = call(nsa.nsa_attention, y, **p)
-        torch.testing.assert_close(moved[:, : t + 1], out[:, : t + 1], rtol=0, atol=1e-12,
-                                   msg=lambda m: f"output at ≤ {t} changed with the future: {m}")
-        assert not torch.allclose(moved[:, t + 1:], out[:, t + 1:]), "perturbation did nothing"
+        torch.testing.assert_close(
+            moved[:, : t + 1],
+            out[:, : t + 1],
+            rtol=0,
+            atol=1e-12,
+            msg=lambda m, t=t: f"output at ≤ {t} changed with the future: {m}",
+        )
+        assert not torch.allclose(moved[:, t + 1 :], out[:, t + 1 :]), "perturbation did nothing"
 
 
 @pytest.mark.parametrize("HQ,H", [(2, 2), (6, 2), (8, 1)], ids=["G1", "G3", "G8"])
@@ -249,11 +283,15 @@ def test_group_consistent_selection(HQ, H):
     """nsa_select gives one set per KV head [B, T, H, n]; the op reads exactly those blocks for
     every query head of the group."""
     B, T, Dk, Dv = 2, 41, 8, 8
-    p = dict(cmp_block=4, cmp_stride=2, sel_block=4, num_selected=3, window=2, num_init=1, num_local=1)
+    p = dict(
+        cmp_block=4, cmp_stride=2, sel_block=4, num_selected=3, window=2, num_init=1, num_local=1
+    )
     x = make_inputs(B, T, HQ, H, Dk, Dv, seed=12, gates=(0.0, 1.0, 0.0), **p)
     idx = nsa.nsa_select(x["q"], x["k_cmp"], **select_params(p))
     assert tuple(idx.shape) == (B, T, H, 3)
-    assert torch.equal(idx.long(), sets_to_index(naive_select(x["q"], x["k_cmp"], **select_params(p)), 3))
+    assert torch.equal(
+        idx.long(), sets_to_index(naive_select(x["q"], x["k_cmp"], **select_params(p)), 3)
+    )
     do = _grad_out(x)
     out, grads = forward_backward(nsa.nsa_attention, x, do, **p)
     ref, ref_grads = forward_backward(naive_attention, x, do, selected=idx, **p)
@@ -272,7 +310,9 @@ def test_backend_choices():
 # gradcheck
 # ---------------------------------------------------------------------------------------------
 
-GRADCHECK_P = dict(cmp_block=4, cmp_stride=2, sel_block=4, num_selected=2, window=4, num_init=1, num_local=0)
+GRADCHECK_P = dict(
+    cmp_block=4, cmp_stride=2, sel_block=4, num_selected=2, window=4, num_init=1, num_local=0
+)
 BRANCH_INPUTS = {
     "cmp": ("q", "k_cmp", "v_cmp", "gates"),
     "slc": ("q", "k", "v", "gates"),
@@ -286,11 +326,12 @@ def _gradcheck(x, names, **kw):
     leaves = [x[n].detach().clone().requires_grad_(True) for n in names]
 
     def fn(*args):
-        return call(nsa.nsa_attention, dict(x, **dict(zip(names, args))), **kw)
+        return call(nsa.nsa_attention, dict(x, **dict(zip(names, args, strict=True))), **kw)
 
     return torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize("branch", list(BRANCH_GATES))
 def test_gradcheck(branch):
     B, T, HQ, H, Dk, Dv = 1, 13, 2, 1, 4, 3
@@ -299,10 +340,11 @@ def test_gradcheck(branch):
     # the hard selection must stay put under gradcheck's perturbations
     scores = naive_group_scores(x["q"], x["k_cmp"], **score_params(p))
     assert selection_margin(scores, T, **p) > 1e-3
-    assert T // p["sel_block"] + 1 > p["num_selected"], "selection must be non-trivial"
+    assert (T - 1) // p["sel_block"] + 1 > p["num_selected"], "selection must be non-trivial"
     assert _gradcheck(x, BRANCH_INPUTS[branch], **p)
 
 
+@pytest.mark.usefixtures("single_thread")
 def test_gradcheck_varlen():
     p = GRADCHECK_P
     cu = _cu_seqlens([6, 1, 9])
@@ -318,7 +360,7 @@ def test_gradcheck_varlen():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("p", PARAMS[:3], ids=params_id)
 @pytest.mark.parametrize("HQ,H", [(4, 2), (3, 1)], ids=["G2", "G3"])
 def test_varlen_equals_each_sequence_alone(HQ, H, p, dtype):
@@ -330,9 +372,12 @@ def test_varlen_equals_each_sequence_alone(HQ, H, p, dtype):
     out, grads = forward_backward(nsa.nsa_attention, x, do, cu_seqlens=cu, **p)
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     cbos = 0
-    for bos, eos in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for bos, eos in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         Tc = compressed_length(eos - bos, p["cmp_block"], p["cmp_stride"])
-        piece = {n: (t[:, cbos:cbos + Tc] if n in ("k_cmp", "v_cmp") else t[:, bos:eos]) for n, t in x.items()}
+        piece = {
+            n: (t[:, cbos : cbos + Tc] if n in ("k_cmp", "v_cmp") else t[:, bos:eos])
+            for n, t in x.items()
+        }
         o, g = forward_backward(nsa.nsa_attention, piece, do[:, bos:eos], **p)
         where = f"sequence [{bos}, {eos})"
         assert_rel_close(f"{where} output", out[:, bos:eos], o, tol)
@@ -344,6 +389,22 @@ def test_varlen_equals_each_sequence_alone(HQ, H, p, dtype):
     if dtype == torch.float64:
         ref, ref_grads = forward_backward(naive_attention, x, do, cu_seqlens=cu, **p)
         assert_all_rel_close(out, grads, ref, ref_grads, TOL[torch.float64])
+
+
+def test_varlen_with_an_empty_sequence():
+    p = SMALL
+    cu = _cu_seqlens([5, 0, 7])
+    T = int(cu[-1])
+    x = make_inputs(1, T, 4, 2, 8, 4, seed=17, cu_seqlens=cu, **p)
+    do = _grad_out(x)
+    out, grads = forward_backward(nsa.nsa_attention, x, do, cu_seqlens=cu, **p)
+    ref, ref_grads = forward_backward(naive_attention, x, do, cu_seqlens=cu, **p)
+    assert_all_rel_close(out, grads, ref, ref_grads, TOL[torch.float64])
+    idx = nsa.nsa_select(x["q"], x["k_cmp"], cu_seqlens=cu, **select_params(p))
+    ref_idx = sets_to_index(
+        naive_select(x["q"], x["k_cmp"], cu_seqlens=cu, **select_params(p)), p["num_selected"]
+    )
+    assert torch.equal(idx.long(), ref_idx)
 
 
 def test_varlen_sequences_are_isolated():
@@ -359,7 +420,9 @@ def test_varlen_sequences_are_isolated():
     y = {n: t.clone() for n, t in x.items()}
     for n, t in y.items():
         sl = slice(cbos, ceos) if n in ("k_cmp", "v_cmp") else slice(bos, eos)
-        t[:, sl] = 30.0 * torch.rand_like(t[:, sl]) if n == "gates" else 30.0 * torch.randn_like(t[:, sl])
+        t[:, sl] = (
+            30.0 * torch.rand_like(t[:, sl]) if n == "gates" else 30.0 * torch.randn_like(t[:, sl])
+        )
     moved = call(nsa.nsa_attention, y, cu_seqlens=cu, **p)
     keep = torch.ones(T, dtype=torch.bool)
     keep[bos:eos] = False
@@ -388,9 +451,19 @@ def _shape_cases():
     yield "k-wrong-B", dict(k=x["k"][:1]), _word("k")
     yield "k-wrong-Dk", dict(k=x["k"][..., :-1]), _word("k")
     yield "v-wrong-H", dict(v=x["v"][:, :, :1]), _word("v")
-    yield "k_cmp-wrong-Tc", dict(k_cmp=x["k_cmp"][:, : Tc - 1], v_cmp=x["v_cmp"][:, : Tc - 1]), _word("k_cmp")
-    yield "k_cmp-too-long", dict(k_cmp=torch.cat([x["k_cmp"], x["k_cmp"][:, :1]], 1),
-                                 v_cmp=torch.cat([x["v_cmp"], x["v_cmp"][:, :1]], 1)), _word("k_cmp")
+    yield (
+        "k_cmp-wrong-Tc",
+        dict(k_cmp=x["k_cmp"][:, : Tc - 1], v_cmp=x["v_cmp"][:, : Tc - 1]),
+        _word("k_cmp"),
+    )
+    yield (
+        "k_cmp-too-long",
+        dict(
+            k_cmp=torch.cat([x["k_cmp"], x["k_cmp"][:, :1]], 1),
+            v_cmp=torch.cat([x["v_cmp"], x["v_cmp"][:, :1]], 1),
+        ),
+        _word("k_cmp"),
+    )
     yield "v_cmp-wrong-Tc", dict(v_cmp=x["v_cmp"][:, :-1]), _word("v_cmp")
     yield "v_cmp-wrong-Dv", dict(v_cmp=x["v_cmp"][..., :-1]), _word("v_cmp")
     yield "k_cmp-wrong-Dk", dict(k_cmp=x["k_cmp"][..., :-1]), _word("k_cmp")
@@ -398,7 +471,11 @@ def _shape_cases():
     yield "gates-wrong-HQ", dict(gates=x["gates"][:, :, :2]), _word("gates")
     yield "k_win-wrong-T", dict(k_win=x["k_win"][:, :-1]), _word("k_win")
     yield "v_win-wrong-Dv", dict(v_win=x["v_win"][..., :-1]), _word("v_win")
-    yield "HQ-not-multiple-of-H", dict(q=x["q"][:, :, :3], gates=x["gates"][:, :, :3]), r"\b(q|k|HQ|H)\b"
+    yield (
+        "HQ-not-multiple-of-H",
+        dict(q=x["q"][:, :, :3], gates=x["gates"][:, :, :3]),
+        r"\b(q|k|HQ|H)\b",
+    )
     yield "gates-dtype", dict(gates=x["gates"].float()), _word("gates")
     yield "k-dtype", dict(k=x["k"].float()), _word("k")
     yield "v_cmp-dtype", dict(v_cmp=x["v_cmp"].float()), _word("v_cmp")
@@ -409,7 +486,9 @@ def _shape_cases():
 SHAPE_CASES = list(_shape_cases())
 
 
-@pytest.mark.parametrize("change,match", [c[1:] for c in SHAPE_CASES], ids=[c[0] for c in SHAPE_CASES])
+@pytest.mark.parametrize(
+    "change,match", [c[1:] for c in SHAPE_CASES], ids=[c[0] for c in SHAPE_CASES]
+)
 def test_invalid_tensors_raise(change, match):
     x = dict(_valid(), **change)
     with pytest.raises(ValueError, match=match):
@@ -417,8 +496,16 @@ def test_invalid_tensors_raise(change, match):
 
 
 PARAM_CASES = [
-    ("cmp_stride-not-dividing-cmp_block", dict(cmp_block=4, cmp_stride=3, sel_block=6), "cmp_stride"),
-    ("cmp_stride-not-dividing-sel_block", dict(cmp_block=4, cmp_stride=4, sel_block=6), r"cmp_stride|sel_block"),
+    (
+        "cmp_stride-not-dividing-cmp_block",
+        dict(cmp_block=4, cmp_stride=3, sel_block=6),
+        "cmp_stride",
+    ),
+    (
+        "cmp_stride-not-dividing-sel_block",
+        dict(cmp_block=4, cmp_stride=4, sel_block=6),
+        r"cmp_stride|sel_block",
+    ),
     ("num_selected-below-forced", dict(num_selected=3, num_init=2, num_local=2), "num_selected"),
     ("window-0", dict(window=0), "window"),
     ("window-negative", dict(window=-3), "window"),
@@ -429,17 +516,19 @@ PARAM_CASES = [
     ("num_local-negative", dict(num_local=-1), "num_local"),
     ("scale-negative", dict(scale=-1.0), "scale"),
     ("backend-unknown", dict(backend="cuda"), "backend"),
-    ("backend-triton-on-cpu", dict(backend="triton"), "backend"),
+    ("backend-triton-float64", dict(backend="triton"), "backend"),
 ]
 
 
-@pytest.mark.parametrize("change,match", [c[1:] for c in PARAM_CASES], ids=[c[0] for c in PARAM_CASES])
+@pytest.mark.parametrize(
+    "change,match", [c[1:] for c in PARAM_CASES], ids=[c[0] for c in PARAM_CASES]
+)
 def test_invalid_parameters_raise(change, match):
     p = dict(SMALL, **change)
     # inputs consistent with the (possibly invalid) block sizes where those make sense
-    l, d = p["cmp_block"], p["cmp_stride"]
-    Tc_ok = l > 0 and d > 0
-    x = make_inputs(1, 12, 4, 2, 8, 4, cmp_block=l if Tc_ok else 4, cmp_stride=d if Tc_ok else 2)
+    lc, d = p["cmp_block"], p["cmp_stride"]
+    Tc_ok = lc > 0 and d > 0
+    x = make_inputs(1, 12, 4, 2, 8, 4, cmp_block=lc if Tc_ok else 4, cmp_stride=d if Tc_ok else 2)
     with pytest.raises(ValueError, match=match):
         call(nsa.nsa_attention, x, **p)
     if "window" not in change:  # nsa_select has no window
@@ -490,25 +579,6 @@ def test_varlen_wrong_compressed_length_raises():
         call(nsa.nsa_attention, x, cu_seqlens=cu, **SMALL)
     with pytest.raises(ValueError, match="k_cmp"):
         nsa.nsa_select(x["q"], x["k_cmp"], cu_seqlens=cu, **select_params(SMALL))
-
-
-SELECT_BAD = [
-    ("q-rank3", lambda q, kc: (q[..., 0], kc), _word("q")),
-    ("k_cmp-rank3", lambda q, kc: (q, kc[..., 0]), _word("k_cmp")),
-    ("k_cmp-wrong-Tc", lambda q, kc: (q, kc[:, :-1]), _word("k_cmp")),
-    ("k_cmp-wrong-Dk", lambda q, kc: (q, kc[..., :-1]), _word("k_cmp")),
-    ("k_cmp-wrong-B", lambda q, kc: (q, kc[:1]), _word("k_cmp")),
-    ("HQ-not-multiple-of-H", lambda q, kc: (q[:, :, :3], kc), r"\b(q|k_cmp|HQ|H)\b"),
-    ("k_cmp-dtype", lambda q, kc: (q, kc.float()), _word("k_cmp")),
-]
-
-
-@pytest.mark.parametrize("bad,match", [c[1:] for c in SELECT_BAD], ids=[c[0] for c in SELECT_BAD])
-def test_select_invalid_tensors_raise(bad, match):
-    x = _valid()
-    q, kc = bad(x["q"], x["k_cmp"])
-    with pytest.raises(ValueError, match=match):
-        nsa.nsa_select(q, kc, **select_params(SMALL))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

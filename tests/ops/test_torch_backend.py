@@ -20,20 +20,25 @@ def random_inputs(B, T, HQ, H, Dk, Dv, dtype=torch.float64, device="cpu", seed=0
     return [t.to(device) for t in (*tensors, gates)]
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("chunk", [1, 7, 16, 50])
-def test_query_chunking_does_not_change_the_result(chunk):
-    q, k, v, kc, vc, g = random_inputs(2, 83, 4, 2, 8, 6)
+def test_query_chunking_does_not_change_the_result(chunk, varlen):
+    q, k, v, kc, vc, g = random_inputs(1 if varlen else 2, 83, 4, 2, 8, 6)
+    cu = None
+    if varlen:  # lengths 30, 1, 52: 6 + 0 + 12 compressed tokens
+        cu = torch.tensor([0, 30, 31, 83], dtype=torch.int32)
+        kc, vc = kc[:, :18], vc[:, :18]
     inputs = [t.requires_grad_() for t in (q, k, v, kc, vc, g)]
     scale = 8**-0.5
-    whole = nsa_attention_torch(*inputs, k, v, PARAMS, scale, chunk_size=1000)
+    whole = nsa_attention_torch(*inputs, k, v, PARAMS, scale, cu, chunk_size=1000)
     grads = torch.autograd.grad(whole.square().sum(), inputs)
-    chunked = nsa_attention_torch(*inputs, k, v, PARAMS, scale, chunk_size=chunk)
+    chunked = nsa_attention_torch(*inputs, k, v, PARAMS, scale, cu, chunk_size=chunk)
     chunked_grads = torch.autograd.grad(chunked.square().sum(), inputs)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
     for a, b in zip(chunked_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(nsa_select_torch(q, kc, PARAMS, scale, chunk_size=chunk),
-                               nsa_select_torch(q, kc, PARAMS, scale, chunk_size=1000))
+    torch.testing.assert_close(nsa_select_torch(q, kc, PARAMS, scale, cu, chunk_size=chunk),
+                               nsa_select_torch(q, kc, PARAMS, scale, cu, chunk_size=1000))
 
 
 class LargestTensor(TorchDispatchMode):

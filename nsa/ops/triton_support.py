@@ -1,0 +1,11 @@
+"""Whether the Triton backend can run here; read once, at import."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+TRITON_MISSING_REASON = "" if TRITON_AVAILABLE else "the triton package is not installed"
+# Under TRITON_INTERPRET=1 Triton kernels run on CPU tensors (slowly): the CI tests use this.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
