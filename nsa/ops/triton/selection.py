@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INT32_MAX = 2147483647
+INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
