@@ -57,13 +57,29 @@ IMPLS = {
 }
 
 
+def profile(T, HQ, H, D, dtype) -> None:
+    """Print the CUDA kernels of one nsa-triton forward+backward, by total time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = nsa_inputs(T, HQ, H, D, dtype, "cuda")
+    run = IMPLS["nsa-triton"]
+    grad = torch.randn(1, T, HQ, D, dtype=dtype, device="cuda")
+    torch.autograd.grad(run(x), list(x.values()), grad)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(run(x), list(x.values()), grad)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+
 def measure(impl: str, T: int, HQ: int, H: int, D: int, dtype) -> dict:
     from triton.testing import do_bench
 
     run = IMPLS[impl]
     x = nsa_inputs(T, HQ, H, D, dtype, "cuda")
     grad = torch.randn(1, T, HQ, D, dtype=dtype, device="cuda")
-    params = list(x.values())
+    # Dense attention reads only q, k, v: differentiate what each implementation uses.
+    params = list(x.values()) if impl.startswith("nsa") else [x["q"], x["k"], x["v"]]
 
     def fwd():
         with torch.no_grad():
@@ -100,9 +116,12 @@ def main(argv=None):
     parser.add_argument("--m7c", action=argparse.BooleanOptionalAction, default=True,
                         help="also the m7c-125m layer shape (HQ=12, H=2, D=64)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--profile", type=int, default=0, help="T of a kernel breakdown (0: none)")
     args = parser.parse_args(argv)
 
     HQ, H = (int(x) for x in args.heads.split(","))
+    if args.profile:
+        profile(args.profile, HQ, H, args.dim, torch.bfloat16)
     impls = args.impls.split(",")
     shapes = [(T, HQ, H, args.dim) for T in map(int, args.seqs.split(","))]
     shapes += [(args.group_seq, 4 * G, 4, args.dim) for G in map(int, args.groups.split(","))

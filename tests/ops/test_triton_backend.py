@@ -64,7 +64,8 @@ def make_inputs(B, T, HQ, H, Dk, Dv, cu, p, dtype, seed=0):
 
 
 def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+    """Relative error; a gradient that is exactly 0 (e.g. dq at T = 1) is judged on a 1e-3 scale."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-3)).item()
 
 
 def poison_allocator():

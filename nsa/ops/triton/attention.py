@@ -292,7 +292,9 @@ class NSAFunction(torch.autograd.Function):
         grads = []
         for i, (o, lse) in enumerate(((o_cmp, lse_cmp), (o_slc, lse_slc), (o_win, lse_win))):
             do_branch = (g[..., i:i + 1] * do).contiguous()
-            delta = (do_branch * o).sum(-1).contiguous()
+            # The kernels read do in the input dtype: delta must use the same rounded values, or
+            # p·(dp − delta) leaves a rounding residue where it should cancel exactly.
+            delta = (do_branch.to(q.dtype).float() * o).sum(-1).contiguous()
             if i == 0:
                 grads.append(branch_backward(q, k_cmp, v_cmp, do_branch, lse, delta, dq, layout,
                                              MODE_CMP, params, scale))
