@@ -32,6 +32,18 @@ from nsa.ops.triton.selection import (
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 
+# Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
+# to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
+TUNING = {
+    "dense_fwd": dict(rows=128, num_warps=8, num_stages=2),
+    "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
+    "dense_dkdv": dict(rows=64, num_warps=8, num_stages=2),
+    "select": dict(rows=64, num_warps=4, num_stages=2),
+    "selected_fwd": dict(rows=64, num_warps=4, num_stages=2),
+    "selected_dq": dict(rows=64, num_warps=4, num_stages=2),
+    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
+}
+
 
 def _pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(x))
@@ -101,9 +113,11 @@ def tile_table(layout: Layout, T: int, positions_per_tile: int):
             i32(layout.cmp_starts[seq]))
 
 
-def _rows(G: int) -> int:
-    """Rows (position x head) per tile: a full 16-row matrix tile at least, any G."""
-    return _pow2(G, 16) if G > 16 else 64 if G <= 4 else _pow2(G, 16) * 2
+def _launch(kind: str, G: int):
+    """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16."""
+    tuning = TUNING[kind]
+    rows = max(tuning["rows"], _pow2(G, 16))
+    return rows, dict(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"])
 
 
 def _strides(x: torch.Tensor, n: int = 3):
@@ -122,16 +136,15 @@ def branch_forward(q, k, v, layout, mode, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    R = _rows(G)
-    P = R // G
-    grid = (triton.cdiv(T, P), B * H)
+    R, launch = _launch("dense_fwd", G)
+    grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
         q, k, v, o, lse, layout.tok_pos, layout.tok_cmp_start,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
         MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, **launch,
     )
     return o, lse
 
@@ -140,15 +153,14 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     """Adds this branch's dq into ``dq`` (float32) and returns (dk, dv) in float32."""
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     NK = k.shape[1]
-    R = _rows(G)
-    P = R // G
-    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv), BLOCK_R=R,
+    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv),
                 BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *lse.stride()[:2])
-    _branch_bwd_dq_kernel[(triton.cdiv(T, P), B * H)](
+    R, launch = _launch("dense_dq", G)
+    _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
         q, k, v, do, lse, delta, dq, layout.tok_pos, layout.tok_cmp_start, *strides,
-        T, NK, H, scale * LOG2E, scale, **meta,
+        T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
     dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
@@ -157,10 +169,11 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     else:
         t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), layout.tok_t_hi
     if NK:
+        R, launch = _launch("dense_dkdv", G)
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H)](
             q, k, v, do, lse, delta, dk, dv, layout.tok_pos, layout.tok_cmp_start,
             t_lo, t_hi, *strides, *_strides(dk), *_strides(dv),
-            T, NK, H, scale * LOG2E, scale, **meta,
+            T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
         )
     return dk, dv
 
@@ -168,9 +181,8 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
 def select(q, k_cmp, lse_cmp, layout, params, scale):
     """[B, T, H, n] int32 selected blocks (ascending, -1 padded) from the compressed lse."""
     B, T, HQ, H, G, Dk, _ = _common(q, k_cmp, k_cmp)
-    R = _rows(G)
-    P = R // G
-    num_tiles, start, end, seq_start, cmp_start = tile_table(layout, T, P)
+    R, launch = _launch("select", G)
+    num_tiles, start, end, seq_start, cmp_start = tile_table(layout, T, R // G)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
     npad = triton.next_power_of_2(params.num_selected)
     tokens = npad * params.sel_block // params.cmp_stride
@@ -181,31 +193,30 @@ def select(q, k_cmp, lse_cmp, layout, params, scale):
         G=G, DK=Dk, BLOCK_DK=_pow2(Dk), BLOCK_R=R, NUM_SELECTED=params.num_selected, NPAD=npad,
         TOK=tokens, TOK_PAD=_pow2(tokens), CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
-        NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
+        NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32, **launch,
     )
     return idx
 
 
 def _selected_meta(q, k, v, params):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
-    R = _rows(G)
-    return R, dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv), BLOCK_R=R,
-                   NUM_SELECTED=params.num_selected,
-                   NPAD=triton.next_power_of_2(params.num_selected),
-                   SEL_BLOCK=params.sel_block, BLOCK_S=_pow2(params.sel_block),
-                   IEEE=q.dtype == torch.float32)
+    return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv),
+                NUM_SELECTED=params.num_selected, NPAD=triton.next_power_of_2(params.num_selected),
+                SEL_BLOCK=params.sel_block, BLOCK_S=_pow2(params.sel_block),
+                IEEE=q.dtype == torch.float32)
 
 
 def selected_forward(q, k, v, idx, layout, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
-    R, meta = _selected_meta(q, k, v, params)
+    meta = _selected_meta(q, k, v, params)
+    R, launch = _launch("selected_fwd", G)
     num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     _selected_fwd_kernel[(num_tiles, B * H)](
         q, k, v, idx, o, lse, start, end, seq_start,
         *_strides(q), *_strides(k), *_strides(v), *_strides(idx), *_strides(o),
-        *lse.stride()[:2], H, scale * LOG2E, **meta,
+        *lse.stride()[:2], H, scale * LOG2E, BLOCK_R=R, **meta, **launch,
     )
     return o, lse
 
@@ -241,23 +252,25 @@ def _inverse_index(idx, layout, params):
 
 def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
-    R, meta = _selected_meta(q, k, v, params)
+    meta = _selected_meta(q, k, v, params)
+    R, launch = _launch("selected_dq", G)
     num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
     strides_qkv = (*_strides(q), *_strides(k), *_strides(v))
     _selected_bwd_dq_kernel[(num_tiles, B * H)](
         q, k, v, idx, do, lse, delta, dq, start, end, seq_start,
         *strides_qkv, *_strides(idx), *_strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, **meta,
+        H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, layout, params)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    R, launch = _launch("selected_dkdv", G)
     _selected_bwd_dkdv_kernel[(num_global, B * H)](
         q, k, v, do, lse, delta, dk, dv, block_start, block_end, offsets, entry_pos,
         *strides_qkv, *_strides(do), *lse.stride()[:2], *_strides(dk), *_strides(dv),
         H, num_global, scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=meta["BLOCK_DK"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=R,
-        BLOCK_S=meta["BLOCK_S"], IEEE=meta["IEEE"],
+        BLOCK_S=meta["BLOCK_S"], IEEE=meta["IEEE"], **launch,
     )
     return dk, dv
 

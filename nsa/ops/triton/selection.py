@@ -19,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -101,15 +100,15 @@ def _select_kernel(
         forced = candidate & ((block[None, :] < NUM_INIT)
                               | (block[None, :] > current[:, None] - NUM_LOCAL))
         bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
-        key = (bits.to(tl.int64) << 32) | (INT32_MAX - block[None, :]).to(tl.int64)
+        key = (bits.to(tl.int64) << 32) | (2147483647 - block[None, :]).to(tl.int64)
         key = tl.where(candidate & row_ok[:, None], key, -1)
         merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
         best = tl.topk(merged, NPAD)
     slot = tl.arange(0, NPAD)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
-    blocks = tl.where(chosen, INT32_MAX - (best & 0xFFFFFFFF).to(tl.int32), INT32_MAX)
+    blocks = tl.where(chosen, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), 2147483647)
     blocks = tl.sort(blocks, dim=1)
-    blocks = tl.where(blocks == INT32_MAX, -1, blocks)
+    blocks = tl.where(blocks == 2147483647, -1, blocks)
     first_head = row_ok & (r % G == 0)
     tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :], blocks,
              mask=first_head[:, None] & (slot[None, :] < NUM_SELECTED))

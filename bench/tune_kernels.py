@@ -1,0 +1,94 @@
+"""Per-kernel time of the Triton NSA backend under different launch shapes (rows, warps, stages).
+
+    python bench/tune_kernels.py --seq 32768
+
+Prints, for every kernel family of ``nsa.ops.triton.attention.TUNING``, the median time of its
+launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
+parameters (override with --heads/--dim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+import nsa
+from nsa.ops.params import NSAParams
+from nsa.ops.triton import attention as kernels
+from nsa.ops.triton.dense_branches import MODE_CMP, MODE_WIN
+
+PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
+
+
+def stages(T, HQ, H, D):
+    make = lambda *s: torch.randn(*s, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    Tc = nsa.compressed_length(T, PAPER.cmp_block, PAPER.cmp_stride)
+    q, k, v = make(1, T, HQ, D), make(1, T, H, D), make(1, T, H, D)
+    kc, vc = make(1, Tc, H, D), make(1, Tc, H, D)
+    scale = D**-0.5
+    layout = kernels.build_layout(T, Tc, None, PAPER, q.device)
+    o_cmp, lse_cmp = kernels.branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
+    idx = kernels.select(q, kc, lse_cmp, layout, PAPER, scale)
+    o_slc, lse_slc = kernels.selected_forward(q, k, v, idx, layout, PAPER, scale)
+    o_win, lse_win = kernels.branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
+    do = torch.randn(1, T, HQ, D, device="cuda")
+    dq = torch.zeros(1, T, HQ, D, device="cuda")
+    delta = lambda o: (do * o).sum(-1).contiguous()  # noqa: E731
+    d_cmp, d_slc, d_win = delta(o_cmp), delta(o_slc), delta(o_win)
+    return {
+        "dense_fwd": [("cmp", lambda: kernels.branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)),
+                      ("win", lambda: kernels.branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
+        "select": [("select", lambda: kernels.select(q, kc, lse_cmp, layout, PAPER, scale))],
+        "selected_fwd": [("slc", lambda: kernels.selected_forward(q, k, v, idx, layout, PAPER, scale))],
+        "dense_dq": [("cmp+dkdv", lambda: kernels.branch_backward(q, kc, vc, do, lse_cmp, d_cmp, dq, layout, MODE_CMP, PAPER, scale)),
+                     ("win+dkdv", lambda: kernels.branch_backward(q, k, v, do, lse_win, d_win, dq, layout, MODE_WIN, PAPER, scale))],
+        "dense_dkdv": [],  # timed inside dense_dq's entries
+        "selected_dq": [("slc bwd", lambda: kernels.selected_backward(q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))],
+        "selected_dkdv": [],  # timed inside selected_dq's entry
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=32768)
+    parser.add_argument("--heads", default="64,4")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--rows", default="32,64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--num-stages", default="1,2,3")
+    args = parser.parse_args(argv)
+    HQ, H = (int(x) for x in args.heads.split(","))
+    work = stages(args.seq, HQ, H, args.dim)
+    default = {name: dict(t) for name, t in kernels.TUNING.items()}
+    grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
+                                  map(int, args.num_stages.split(","))))
+    # Backward entries run two families (dq then dk/dv): tune them together.
+    families = {"dense_fwd": ["dense_fwd"], "select": ["select"],
+                "selected_fwd": ["selected_fwd"], "dense_dq": ["dense_dq", "dense_dkdv"],
+                "selected_dq": ["selected_dq", "selected_dkdv"]}
+    print(f"# T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; default {default}")
+    for family, members in families.items():
+        for label, fn in work[family]:
+            timings = []
+            for rows, warps, n_stages in grid:
+                for m in members:
+                    kernels.TUNING[m] = dict(rows=rows, num_warps=warps, num_stages=n_stages)
+                try:
+                    ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
+                    ms = float("inf")
+                    print(f"  {family}/{label} rows={rows} warps={warps} stages={n_stages}: "
+                          f"{type(error).__name__}")
+                timings.append((ms, rows, warps, n_stages))
+            for m in members:
+                kernels.TUNING[m] = dict(default[m])
+            timings.sort()
+            best = ", ".join(f"{ms:.2f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
+            print(f"{family:13s} {label:9s} best: {best}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
