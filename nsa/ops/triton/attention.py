@@ -27,18 +27,21 @@ from nsa.ops.triton.selection import (
     _selected_bwd_dkdv_kernel,
     _selected_bwd_dq_kernel,
     _selected_fwd_kernel,
+    _sum_segments_kernel,
 )
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the compressed and window kernels
+SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
+CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
 TUNING = {
-    "dense_fwd": dict(rows=128, num_warps=8, num_stages=2),
+    "dense_fwd": dict(rows=128, num_warps=4, num_stages=2),
     "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
-    "dense_dkdv": dict(rows=64, num_warps=8, num_stages=2),
-    "select": dict(rows=64, num_warps=4, num_stages=2),
+    "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
+    "select": dict(rows=32, num_warps=4, num_stages=2),
     "selected_fwd": dict(rows=64, num_warps=4, num_stages=2),
     "selected_dq": dict(rows=64, num_warps=4, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
@@ -162,20 +165,24 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
         q, k, v, do, lse, delta, dq, layout.tok_pos, layout.tok_cmp_start, *strides,
         T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
-    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    # A compressed key is seen by every later query: split the queries into segments so the
+    # first key tiles do not run alone; window keys are seen by at most w queries.
+    segments = triton.cdiv(T, CMP_SEGMENT) if mode == MODE_CMP else 1
+    dk = torch.empty(segments, *k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(segments, *v.shape, dtype=torch.float32, device=q.device)
     if mode == MODE_CMP:
         t_lo, t_hi = layout.cmp_t_lo, layout.cmp_t_hi
     else:
         t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), layout.tok_t_hi
     if NK:
         R, launch = _launch("dense_dkdv", G)
-        _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H)](
+        _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, lse, delta, dk, dv, layout.tok_pos, layout.tok_cmp_start,
-            t_lo, t_hi, *strides, *_strides(dk), *_strides(dv),
-            T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
+            t_lo, t_hi, *strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
+            dv.stride(0), T, NK, H, CMP_SEGMENT if mode == MODE_CMP else T, scale * LOG2E,
+            scale, BLOCK_R=R, **meta, **launch,
         )
-    return dk, dv
+    return dk.sum(0), dv.sum(0)
 
 
 def select(q, k_cmp, lse_cmp, layout, params, scale):
@@ -262,16 +269,36 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
         H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, layout, params)
+    # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.
+    counts = (offsets[1:] - offsets[:-1]).long()  # [num_lists]
+    seg_count = (counts + SELECTED_SEGMENT - 1) // SELECTED_SEGMENT
+    seg_first = torch.cumsum(seg_count, 0) - seg_count
+    num_segments = idx.numel() // SELECTED_SEGMENT + counts.numel()  # bound known on the host
+    k_seg = torch.arange(num_segments, device=q.device)
+    seg_list = torch.searchsorted(seg_first + seg_count, k_seg, right=True).clamp_max(
+        counts.numel() - 1)
+    seg_lo = offsets[seg_list].long() + (k_seg - seg_first[seg_list]) * SELECTED_SEGMENT
+    seg_hi = torch.minimum(seg_lo + SELECTED_SEGMENT, offsets[seg_list + 1].long())
+    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
+    dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
+    R, launch = _launch("selected_dkdv", G)
+    _selected_bwd_dkdv_kernel[(num_segments,)](
+        q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
+        i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
+        *strides_qkv, *_strides(do), *lse.stride()[:2],
+        H, num_global, scale * LOG2E, scale,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
+        IEEE=meta["IEEE"], **launch,
+    )
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    R, launch = _launch("selected_dkdv", G)
-    _selected_bwd_dkdv_kernel[(num_global, B * H)](
-        q, k, v, do, lse, delta, dk, dv, block_start, block_end, offsets, entry_pos,
-        *strides_qkv, *_strides(do), *lse.stride()[:2], *_strides(dk), *_strides(dv),
-        H, num_global, scale * LOG2E, scale,
-        G=G, DK=Dk, DV=Dv, BLOCK_DK=meta["BLOCK_DK"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_R=R,
-        BLOCK_S=meta["BLOCK_S"], IEEE=meta["IEEE"], **launch,
-    )
+    for part, out, D, bd in ((dk_part, dk, Dk, bdk), (dv_part, dv, Dv, bdv)):
+        _sum_segments_kernel[(counts.numel(),)](
+            part, out, block_start, block_end, i32(seg_first), i32(seg_count),
+            *_strides(out), H, num_global, D=D, BLOCK_D=bd, BLOCK_S=bs,
+        )
     return dk, dv
 
 

@@ -170,16 +170,18 @@ def _branch_bwd_dkdv_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    T, NK, H, scale_log2, scale,
+    stride_dks, stride_dvs, T, NK, H, SEGMENT, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """dK, dV (float32) of a tile of BLOCK_N keys, looping over every query that can see them."""
+    """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
+    positions (program axis 2) that can see them; segments write separate partials."""
     P: tl.constexpr = BLOCK_R // G
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    seg = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,8 +193,10 @@ def _branch_bwd_dkdv_kernel(
                 mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
     v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
                 mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    t_lo = tl.min(tl.load(key_t_lo + s, mask=k_ok, other=2147483647), axis=0)
-    t_hi = tl.max(tl.load(key_t_hi + s, mask=k_ok, other=0), axis=0)
+    # Both bounds are non-decreasing in the key index: read them at the tile's first/last key.
+    last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
+    t_lo = tl.maximum(tl.load(key_t_lo + pid_n * BLOCK_N), seg * SEGMENT)
+    t_hi = tl.minimum(tl.load(key_t_hi + last), seg * SEGMENT + SEGMENT)
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     r = tl.arange(0, BLOCK_R)
@@ -225,7 +229,9 @@ def _branch_bwd_dkdv_kernel(
         else:
             acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
             acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
-    tl.store(DK_OUT + b * stride_dkb + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
+    dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
+    dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
+    tl.store(dk_out + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
              acc_k * scale, mask=k_ok[:, None] & (dk[None, :] < DK))
-    tl.store(DV_OUT + b * stride_dvb + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
+    tl.store(dv_out + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
              acc_v, mask=k_ok[:, None] & (dv[None, :] < DV))

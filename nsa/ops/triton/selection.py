@@ -10,15 +10,17 @@ straddles two packed sequences); rows are (position, query head) pairs of one KV
   keys ``score_bits << 32 | (2^31 - 1 - block)``: larger score first, ties to the lower index.
 * ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: attention over the union of the
   blocks the tile's positions selected; each row only sees its own position's blocks.
-* ``_selected_bwd_dkdv_kernel``: one program per key block, looping over the (position, head)
-  rows that selected it, read from an inverse index built by a sort: deterministic, no atomics.
+* ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SEGMENT`` entries of a key
+  block's list of the positions that selected it (an inverse index built by a sort); long lists
+  (the forced first block is chosen by every position) are split so no program runs alone for
+  long. Each segment writes a partial dK/dV; ``_sum_segments_kernel`` adds a block's partials
+  in a fixed order: deterministic, no atomics.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
 
 
 @triton.jit
@@ -254,19 +256,22 @@ def _selected_bwd_dq_kernel(
 
 @triton.jit
 def _selected_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, block_token_start, block_token_end,
-    entry_offsets, entry_pos,
+    Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
+    seg_list, seg_lo, seg_hi, entry_pos,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     H, NUM_GLOBAL_BLOCKS, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """dK, dV of one selection block of one KV head, from the positions that selected it."""
+    """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list."""
     P: tl.constexpr = BLOCK_R // G
-    gblock = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    seg = tl.program_id(0)
+    list_id = tl.load(seg_list + seg)
+    e_lo = tl.load(seg_lo + seg)
+    e_hi = tl.load(seg_hi + seg)
+    pid_bh = list_id // NUM_GLOBAL_BLOCKS
+    gblock = list_id % NUM_GLOBAL_BLOCKS
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     s_lo = tl.load(block_token_start + gblock)
@@ -280,9 +285,6 @@ def _selected_bwd_dkdv_kernel(
                 mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
     v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
                 mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    list_id = pid_bh * NUM_GLOBAL_BLOCKS + gblock
-    e_lo = tl.load(entry_offsets + list_id)
-    e_hi = tl.load(entry_offsets + list_id + 1)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
     r = tl.arange(0, BLOCK_R)
@@ -314,7 +316,31 @@ def _selected_bwd_dkdv_kernel(
         else:
             acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
             acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
-    tl.store(DK_OUT + b * stride_dkb + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
-             acc_k * scale, mask=k_ok[:, None] & (dk[None, :] < DK))
-    tl.store(DV_OUT + b * stride_dvb + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
-             acc_v, mask=k_ok[:, None] & (dv[None, :] < DV))
+    rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
+    tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
+
+
+@triton.jit
+def _sum_segments_kernel(
+    PART, OUT, block_token_start, block_token_end, list_seg_first, list_seg_count,
+    stride_b, stride_t, stride_h, H, NUM_GLOBAL_BLOCKS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """OUT[b, block tokens, h] = sum of the block's segment partials, in segment order."""
+    list_id = tl.program_id(0)
+    pid_bh = list_id // NUM_GLOBAL_BLOCKS
+    gblock = list_id % NUM_GLOBAL_BLOCKS
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    s = tl.load(block_token_start + gblock) + tl.arange(0, BLOCK_S)
+    s_ok = s < tl.load(block_token_end + gblock)
+    d = tl.arange(0, BLOCK_D)
+    first = tl.load(list_seg_first + list_id)
+    count = tl.load(list_seg_count + list_id)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for seg in range(first, first + count):
+        rows = tl.arange(0, BLOCK_S).to(tl.int64) + seg * BLOCK_S
+        acc += tl.load(PART + rows[:, None] * BLOCK_D + d[None, :])
+    tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
+             acc, mask=s_ok[:, None] & (d[None, :] < D))
