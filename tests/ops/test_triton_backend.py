@@ -39,10 +39,10 @@ CASES = [
 # ... and GPU-sized ones.
 GPU_CASES = [
     (2, 1000, 16, 2, 64, 64, None, PAPER),
-    (1, 3001, 8, 4, 128, 64, None, PAPER),  # G = 2, Dk != Dv
-    (1, 2500, 6, 1, 64, 192, None, PAPER),  # G = 6
+    (1, 2001, 8, 4, 128, 64, None, PAPER),  # G = 2, Dk != Dv
+    (1, 1500, 6, 1, 64, 192, None, PAPER),  # G = 6
     (1, 1, 4, 4, 64, 64, None, PAPER),  # T = 1
-    (1, 4100, 64, 4, 128, 128, [0, 1000, 1001, 4100], PAPER),  # G = 16, varlen
+    (1, 2100, 32, 2, 128, 128, [0, 1000, 1001, 2100], PAPER),  # G = 16, varlen
     (2, 700, 8, 8, 192, 128, None, dict(PAPER, window=100)),  # G = 1, Dk = 192
 ]
 
