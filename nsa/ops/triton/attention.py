@@ -116,11 +116,16 @@ def tile_table(layout: Layout, T: int, positions_per_tile: int):
             i32(layout.cmp_starts[seq]))
 
 
-def _launch(kind: str, G: int):
-    """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16."""
+def _launch(kind: str, G: int, head_dim: int):
+    """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
+
+    Head dims above 128 (padded to 256) halve the rows and drop software pipelining so the
+    tiles fit in shared memory."""
     tuning = TUNING[kind]
-    rows = max(tuning["rows"], _pow2(G, 16))
-    return rows, dict(num_warps=tuning["num_warps"], num_stages=tuning["num_stages"])
+    rows, stages = tuning["rows"], tuning["num_stages"]
+    if _pow2(head_dim) > 128:
+        rows, stages = rows // 2, 1
+    return max(rows, _pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
 
 
 def _strides(x: torch.Tensor, n: int = 3):
@@ -139,7 +144,7 @@ def branch_forward(q, k, v, layout, mode, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    R, launch = _launch("dense_fwd", G)
+    R, launch = _launch("dense_fwd", G, max(Dk, Dv))
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
         q, k, v, o, lse, layout.tok_pos, layout.tok_cmp_start,
@@ -160,7 +165,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
                 BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *lse.stride()[:2])
-    R, launch = _launch("dense_dq", G)
+    R, launch = _launch("dense_dq", G, max(Dk, Dv))
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
         q, k, v, do, lse, delta, dq, layout.tok_pos, layout.tok_cmp_start, *strides,
         T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
@@ -175,7 +180,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     else:
         t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), layout.tok_t_hi
     if NK:
-        R, launch = _launch("dense_dkdv", G)
+        R, launch = _launch("dense_dkdv", G, max(Dk, Dv))
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, lse, delta, dk, dv, layout.tok_pos, layout.tok_cmp_start,
             t_lo, t_hi, *strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
@@ -188,7 +193,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
 def select(q, k_cmp, lse_cmp, layout, params, scale):
     """[B, T, H, n] int32 selected blocks (ascending, -1 padded) from the compressed lse."""
     B, T, HQ, H, G, Dk, _ = _common(q, k_cmp, k_cmp)
-    R, launch = _launch("select", G)
+    R, launch = _launch("select", G, Dk)
     num_tiles, start, end, seq_start, cmp_start = tile_table(layout, T, R // G)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
     npad = triton.next_power_of_2(params.num_selected)
@@ -216,7 +221,7 @@ def _selected_meta(q, k, v, params):
 def selected_forward(q, k, v, idx, layout, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
-    R, launch = _launch("selected_fwd", G)
+    R, launch = _launch("selected_fwd", G, max(Dk, Dv))
     num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
@@ -260,7 +265,7 @@ def _inverse_index(idx, layout, params):
 def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
-    R, launch = _launch("selected_dq", G)
+    R, launch = _launch("selected_dq", G, max(Dk, Dv))
     num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
     strides_qkv = (*_strides(q), *_strides(k), *_strides(v))
     _selected_bwd_dq_kernel[(num_tiles, B * H)](
@@ -283,7 +288,7 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
-    R, launch = _launch("selected_dkdv", G)
+    R, launch = _launch("selected_dkdv", G, max(Dk, Dv))
     _selected_bwd_dkdv_kernel[(num_segments,)](
         q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
         i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
