@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.common import dot, probs_and_dscores, softmax_finish, softmax_step
+
 MODE_CMP = 0
 MODE_WIN = 1
 
@@ -78,25 +80,11 @@ def _branch_fwd_kernel(
                     mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
+        scores = dot(q, tl.trans(k), IEEE)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
         scores = tl.where(valid, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("inf"))
+        m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
+    out, lse = softmax_finish(m, l, acc)
     tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
              out, mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
@@ -145,19 +133,9 @@ def _branch_bwd_dq_kernel(
                     mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
         v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
-        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        else:
-            acc += tl.dot(ds.to(k.dtype), k)
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc += dot(ds.to(k.dtype), k, IEEE)
     dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
     dq_mask = row_ok[:, None] & (dk[None, :] < DK)
     prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
@@ -214,21 +192,10 @@ def _branch_bwd_dkdv_kernel(
                      other=0.0).to(q.dtype)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
-        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            acc_v += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
-            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
-        else:
-            acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
-            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
+        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     tl.store(dk_out + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],

@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.common import dot, probs_and_dscores, softmax_finish, softmax_step
+
 
 @triton.jit
 def _tile_rows(tile, tile_start, tile_end, tile_seq_start, P: tl.constexpr, G: tl.constexpr,
@@ -88,10 +90,7 @@ def _select_kernel(
         kc = tl.load(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64)[:, None] * stride_kt
                      + h * stride_kh + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK),
                      other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(kc), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(kc))
+        scores = dot(q, tl.trans(kc), IEEE)
         visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
         p = tl.where(visible, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
         mass = tl.dot(p, w_here, input_precision="ieee") + carry  # [R, BJ] per head
@@ -162,26 +161,12 @@ def _selected_fwd_kernel(
                             + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
                             + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    scores = tl.dot(q, tl.trans(k))
+                scores = dot(q, tl.trans(k), IEEE)
                 row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
                 valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
                 scores = tl.where(valid, scores * scale_log2, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_safe)
-                p = tl.exp2(scores - m_safe[:, None])
-                l = l * alpha + tl.sum(p, axis=1)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("inf"))
+                m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
+    out, lse = softmax_finish(m, l, acc)
     tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
              out, mask=row_ok[:, None] & (dv[None, :] < DV))
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
@@ -234,20 +219,10 @@ def _selected_bwd_dq_kernel(
                             + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
                 v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
                             + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-                    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-                else:
-                    scores = tl.dot(q, tl.trans(k))
-                    dp = tl.dot(do, tl.trans(v))
                 row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
                 valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-                p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
-                ds = p * (dp - delta[:, None])
-                if IEEE:
-                    acc += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-                else:
-                    acc += tl.dot(ds.to(k.dtype), k)
+                p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+                acc += dot(ds.to(k.dtype), k, IEEE)
     dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
     dq_mask = row_ok[:, None] & (dk[None, :] < DK)
     prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
@@ -301,21 +276,10 @@ def _selected_bwd_dkdv_kernel(
                      other=0.0).to(q.dtype)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
         valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-        p = tl.where(valid, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE:
-            acc_v += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
-            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
-        else:
-            acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
-            acc_k += tl.dot(tl.trans(ds).to(q.dtype), q)
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
+        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
     rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
     tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
