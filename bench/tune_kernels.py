@@ -29,7 +29,7 @@ def stages(T, HQ, H, D):
     q, k, v = make(1, T, HQ, D), make(1, T, H, D), make(1, T, H, D)
     kc, vc = make(1, Tc, H, D), make(1, Tc, H, D)
     scale = D**-0.5
-    layout = kernels.build_layout(T, Tc, None, PAPER, q.device)
+    layout = kernels.build_tables(T, Tc, None, PAPER, q.device)
     o_cmp, lse_cmp = kernels.branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
     idx = kernels.select(q, kc, lse_cmp, layout, PAPER, scale)
     o_slc, lse_slc = kernels.selected_forward(q, k, v, idx, layout, PAPER, scale)

@@ -60,6 +60,15 @@ def compressed_length(seq_len: int, cmp_block: int, cmp_stride: int) -> int:
     return (seq_len - cmp_block) // cmp_stride + 1
 
 
+def compressed_lengths(lengths: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
+    """Tc of each sequence length in ``lengths`` (int64 tensor)."""
+    return torch.where(
+        lengths >= cmp_block,
+        (lengths - cmp_block).div(cmp_stride, rounding_mode="floor") + 1,
+        torch.zeros_like(lengths),
+    )
+
+
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -122,12 +131,7 @@ def expected_compressed_length(params: NSAParams, seq_len: int, cu_seqlens) -> i
     if cu_seqlens.device.type != "cpu":
         return None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    per_seq = torch.where(
-        lengths >= params.cmp_block,
-        (lengths - params.cmp_block).div(params.cmp_stride, rounding_mode="floor") + 1,
-        torch.zeros_like(lengths),
-    )
-    return int(per_seq.sum())
+    return int(compressed_lengths(lengths, params.cmp_block, params.cmp_stride).sum())
 
 
 def check_select_inputs(q, k_cmp, params: NSAParams, cu_seqlens) -> None:

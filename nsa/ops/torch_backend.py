@@ -18,6 +18,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from nsa.ops.layout import SequenceLayout
 from nsa.ops.params import NSAParams
 
 # Largest number of attention scores (B * HQ * C * keys) one chunk may hold.
@@ -33,34 +34,6 @@ def query_chunk_size(batch: int, num_q_heads: int, seq_len: int) -> int:
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision inputs are computed in float32 (scores, softmax and accumulation)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-class TokenLayout:
-    """Where each token and compressed token sits in its own sequence (varlen-aware).
-
-    seq [T], pos [T]: sequence id and position of every token;
-    cmp_seq [Tc], cmp_idx [Tc]: sequence id and index within its sequence of every compressed token.
-    """
-
-    def __init__(self, seq_len: int, num_cmp: int, cu_seqlens, params: NSAParams, device):
-        t = torch.arange(seq_len, device=device)
-        c = torch.arange(num_cmp, device=device)
-        if cu_seqlens is None:
-            self.seq, self.pos = torch.zeros_like(t), t
-            self.cmp_seq, self.cmp_idx = torch.zeros_like(c), c
-            return
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-        self.seq = torch.searchsorted(cu[1:], t, right=True)
-        self.pos = t - cu[self.seq]
-        lengths = cu[1:] - cu[:-1]
-        cmp_per_seq = torch.where(
-            lengths >= params.cmp_block,
-            (lengths - params.cmp_block).div(params.cmp_stride, rounding_mode="floor") + 1,
-            torch.zeros_like(lengths),
-        )
-        cu_cmp = torch.cat([cu.new_zeros(1), cmp_per_seq.cumsum(0)])
-        self.cmp_seq = torch.searchsorted(cu_cmp[1:], c, right=True).clamp_max(lengths.numel() - 1)
-        self.cmp_idx = c - cu_cmp[self.cmp_seq]
 
 
 def _split_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -212,7 +185,7 @@ def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAP
     dtype = _compute_dtype(q.dtype)
     # Keys and values are cast once, not per chunk.
     k, v, k_cmp, v_cmp, k_win, v_win = (x.to(dtype) for x in (k, v, k_cmp, v_cmp, k_win, v_win))
-    layout = TokenLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
+    layout = SequenceLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
     chunk = chunk_size or query_chunk_size(B, HQ, T)
     needs_grad = torch.is_grad_enabled() and any(
         x.requires_grad for x in (q, k, v, k_cmp, v_cmp, k_win, v_win, gates)
@@ -237,7 +210,7 @@ def nsa_select_torch(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None,
     H = k_cmp.shape[2]
     dtype = _compute_dtype(q.dtype)
     k_cmp = k_cmp.to(dtype)
-    layout = TokenLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
+    layout = SequenceLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
     chunk = chunk_size or query_chunk_size(B, HQ, T)
     no_values = k_cmp[..., :0]
     out = []

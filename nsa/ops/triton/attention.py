@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from nsa.ops.layout import SequenceLayout, expand_counts
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.dense_branches import (
     MODE_CMP,
@@ -53,67 +54,49 @@ def _pow2(x: int, minimum: int = 16) -> int:
 
 
 @dataclass
-class Layout:
-    """Int32 tables describing where every token, compressed token and tile sits."""
+class KernelTables:
+    """Int32 tables the kernels read, from a :class:`SequenceLayout`."""
 
+    layout: SequenceLayout
     tok_pos: torch.Tensor  # [T] position within its sequence
     tok_cmp_start: torch.Tensor  # [T] packed index of its sequence's first compressed token
     tok_t_hi: torch.Tensor  # [T] last query (exclusive) whose window sees this token
     cmp_t_lo: torch.Tensor  # [Tc] first query that sees this compressed token
     cmp_t_hi: torch.Tensor  # [Tc] end (exclusive) of its sequence
-    seq_starts: torch.Tensor  # [N] first token of each sequence
-    seq_ends: torch.Tensor  # [N]
-    cmp_starts: torch.Tensor  # [N]
 
 
-def build_layout(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> Layout:
-    if cu_seqlens is None:
-        cu = torch.tensor([0, T], dtype=torch.long, device=device)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-    starts, ends = cu[:-1], cu[1:]
-    lengths = ends - starts
-    cmp_per_seq = torch.where(
-        lengths >= params.cmp_block,
-        (lengths - params.cmp_block).div(params.cmp_stride, rounding_mode="floor") + 1,
-        torch.zeros_like(lengths),
-    )
-    cmp_starts = torch.cumsum(cmp_per_seq, 0) - cmp_per_seq
+def _i32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32).contiguous()
+
+
+def build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> KernelTables:
+    layout = SequenceLayout(T, Tc, cu_seqlens, params, device)
     t = torch.arange(T, device=device)
-    seq = torch.searchsorted(ends, t, right=True)
-    c = torch.arange(Tc, device=device)
-    cmp_seq = torch.searchsorted(cmp_starts + cmp_per_seq, c, right=True).clamp_max(len(starts) - 1)
-    cmp_local = c - cmp_starts[cmp_seq]
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return Layout(
-        tok_pos=i32(t - starts[seq]),
-        tok_cmp_start=i32(cmp_starts[seq]),
-        tok_t_hi=i32(torch.minimum(t + params.window, ends[seq])),
-        cmp_t_lo=i32(starts[cmp_seq] + cmp_local * params.cmp_stride + params.cmp_block - 1),
-        cmp_t_hi=i32(ends[cmp_seq]),
-        seq_starts=starts, seq_ends=ends, cmp_starts=cmp_starts,
+    cmp_seq_start = layout.starts[layout.cmp_seq]
+    return KernelTables(
+        layout=layout,
+        tok_pos=_i32(layout.pos),
+        tok_cmp_start=_i32(layout.cmp_starts[layout.seq]),
+        tok_t_hi=_i32(torch.minimum(t + params.window, layout.ends[layout.seq])),
+        cmp_t_lo=_i32(cmp_seq_start + layout.cmp_idx * params.cmp_stride + params.cmp_block - 1),
+        cmp_t_hi=_i32(layout.ends[layout.cmp_seq]),
     )
 
 
-def tile_table(layout: Layout, T: int, positions_per_tile: int):
+def tile_table(tables: KernelTables, T: int, positions_per_tile: int):
     """Tiles of ``positions_per_tile`` positions that never straddle two sequences.
 
     The count is bounded by cdiv(T, P) + N (a shape, known without a sync); unused tiles are
     empty (start == end).
     """
-    P = positions_per_tile
-    lengths = layout.seq_ends - layout.seq_starts
-    per_seq = (lengths + P - 1) // P
-    first = torch.cumsum(per_seq, 0) - per_seq
-    num_tiles = (T + P - 1) // P + len(lengths)
-    k = torch.arange(num_tiles, device=lengths.device)
-    seq = torch.searchsorted(first + per_seq, k, right=True).clamp_max(len(lengths) - 1)
-    start = layout.seq_starts[seq] + (k - first[seq]) * P
-    used = k < (first + per_seq)[-1]
-    end = torch.where(used, layout.seq_ends[seq], start)
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return (num_tiles, i32(start), i32(end), i32(layout.seq_starts[seq]),
-            i32(layout.cmp_starts[seq]))
+    layout, P = tables.layout, positions_per_tile
+    num_tiles = triton.cdiv(T, P) + layout.starts.numel()
+    tiles_per_seq = (layout.ends - layout.starts + P - 1) // P
+    seq, index, used = expand_counts(tiles_per_seq, num_tiles)
+    start = layout.starts[seq] + index * P
+    end = torch.where(used, layout.ends[seq], start)
+    return (num_tiles, _i32(start), _i32(end), _i32(layout.starts[seq]),
+            _i32(layout.cmp_starts[seq]))
 
 
 def _launch(kind: str, G: int, head_dim: int):
@@ -139,7 +122,7 @@ def _common(q, k, v):
     return B, T, HQ, H, G, Dk, Dv
 
 
-def branch_forward(q, k, v, layout, mode, params, scale):
+def branch_forward(q, k, v, tables, mode, params, scale):
     """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
@@ -147,7 +130,7 @@ def branch_forward(q, k, v, layout, mode, params, scale):
     R, launch = _launch("dense_fwd", G, max(Dk, Dv))
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
-        q, k, v, o, lse, layout.tok_pos, layout.tok_cmp_start,
+        q, k, v, o, lse, tables.tok_pos, tables.tok_cmp_start,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
@@ -157,7 +140,7 @@ def branch_forward(q, k, v, layout, mode, params, scale):
     return o, lse
 
 
-def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
+def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
     """Adds this branch's dq into ``dq`` (float32) and returns (dk, dv) in float32."""
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     NK = k.shape[1]
@@ -167,7 +150,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *lse.stride()[:2])
     R, launch = _launch("dense_dq", G, max(Dk, Dv))
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
-        q, k, v, do, lse, delta, dq, layout.tok_pos, layout.tok_cmp_start, *strides,
+        q, k, v, do, lse, delta, dq, tables.tok_pos, tables.tok_cmp_start, *strides,
         T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
@@ -176,13 +159,13 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     dk = torch.empty(segments, *k.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(segments, *v.shape, dtype=torch.float32, device=q.device)
     if mode == MODE_CMP:
-        t_lo, t_hi = layout.cmp_t_lo, layout.cmp_t_hi
+        t_lo, t_hi = tables.cmp_t_lo, tables.cmp_t_hi
     else:
-        t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), layout.tok_t_hi
+        t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), tables.tok_t_hi
     if NK:
         R, launch = _launch("dense_dkdv", G, max(Dk, Dv))
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
-            q, k, v, do, lse, delta, dk, dv, layout.tok_pos, layout.tok_cmp_start,
+            q, k, v, do, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
             t_lo, t_hi, *strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
             dv.stride(0), T, NK, H, CMP_SEGMENT if mode == MODE_CMP else T, scale * LOG2E,
             scale, BLOCK_R=R, **meta, **launch,
@@ -190,11 +173,11 @@ def branch_backward(q, k, v, do, lse, delta, dq, layout, mode, params, scale):
     return dk.sum(0), dv.sum(0)
 
 
-def select(q, k_cmp, lse_cmp, layout, params, scale):
+def select(q, k_cmp, lse_cmp, tables, params, scale):
     """[B, T, H, n] int32 selected blocks (ascending, -1 padded) from the compressed lse."""
     B, T, HQ, H, G, Dk, _ = _common(q, k_cmp, k_cmp)
     R, launch = _launch("select", G, Dk)
-    num_tiles, start, end, seq_start, cmp_start = tile_table(layout, T, R // G)
+    num_tiles, start, end, seq_start, cmp_start = tile_table(tables, T, R // G)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
     npad = triton.next_power_of_2(params.num_selected)
     tokens = npad * params.sel_block // params.cmp_stride
@@ -218,11 +201,11 @@ def _selected_meta(q, k, v, params):
                 IEEE=q.dtype == torch.float32)
 
 
-def selected_forward(q, k, v, idx, layout, params, scale):
+def selected_forward(q, k, v, idx, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
     R, launch = _launch("selected_fwd", G, max(Dk, Dv))
-    num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
+    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     _selected_fwd_kernel[(num_tiles, B * H)](
@@ -233,65 +216,57 @@ def selected_forward(q, k, v, idx, layout, params, scale):
     return o, lse
 
 
-def _inverse_index(idx, layout, params):
+def _inverse_index(idx, tables, params):
     """For each (b, h, global block): the positions that selected it, as CSR (offsets, pos)."""
     B, T, H, n = idx.shape
-    lengths = layout.seq_ends - layout.seq_starts
-    blocks_per_seq = (lengths + params.sel_block - 1) // params.sel_block
+    layout = tables.layout
+    blocks_per_seq = (layout.ends - layout.starts + params.sel_block - 1) // params.sel_block
     block_first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-    num_global = triton.cdiv(T, params.sel_block) + len(lengths)  # a bound known on the host
-    seq = torch.searchsorted(layout.seq_ends, torch.arange(T, device=idx.device), right=True)
-    gblock = block_first[seq].view(1, T, 1, 1) + idx.long()  # [B, T, H, n]
+    num_global = triton.cdiv(T, params.sel_block) + layout.starts.numel()  # a host-known bound
+    gblock = block_first[layout.seq].view(1, T, 1, 1) + idx.long()  # [B, T, H, n]
     bh = (torch.arange(B, device=idx.device).view(B, 1, 1, 1) * H
           + torch.arange(H, device=idx.device).view(1, 1, H, 1))
     list_id = torch.where(idx >= 0, bh * num_global + gblock, B * H * num_global)
     order = torch.sort(list_id.flatten(), stable=True)
     positions = torch.arange(T, device=idx.device).view(1, T, 1, 1).expand(B, T, H, n).flatten()
-    entry_pos = positions[order.indices].to(torch.int32).contiguous()
+    entry_pos = _i32(positions[order.indices])
     boundaries = torch.arange(B * H * num_global + 1, device=idx.device)
-    offsets = torch.searchsorted(order.values, boundaries).to(torch.int32).contiguous()
+    offsets = _i32(torch.searchsorted(order.values, boundaries))
     # Token range of every global block (blocks past the last one are empty).
-    g = torch.arange(num_global, device=idx.device)
-    block_seq = torch.searchsorted(block_first + blocks_per_seq, g, right=True).clamp_max(
-        len(lengths) - 1)
-    block_start = layout.seq_starts[block_seq] + (g - block_first[block_seq]) * params.sel_block
-    used = g < (block_first + blocks_per_seq)[-1]
+    block_seq, index, used = expand_counts(blocks_per_seq, num_global)
+    block_start = layout.starts[block_seq] + index * params.sel_block
     block_end = torch.where(used, torch.minimum(block_start + params.sel_block,
-                                                layout.seq_ends[block_seq]), block_start)
-    return (num_global, block_start.to(torch.int32).contiguous(),
-            block_end.to(torch.int32).contiguous(), offsets, entry_pos)
+                                                layout.ends[block_seq]), block_start)
+    return num_global, _i32(block_start), _i32(block_end), offsets, entry_pos
 
 
-def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
+def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
     R, launch = _launch("selected_dq", G, max(Dk, Dv))
-    num_tiles, start, end, seq_start, _ = tile_table(layout, T, R // G)
+    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
     strides_qkv = (*_strides(q), *_strides(k), *_strides(v))
     _selected_bwd_dq_kernel[(num_tiles, B * H)](
         q, k, v, idx, do, lse, delta, dq, start, end, seq_start,
         *strides_qkv, *_strides(idx), *_strides(do), *lse.stride()[:2],
         H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
-    num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, layout, params)
+    num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.
     counts = (offsets[1:] - offsets[:-1]).long()  # [num_lists]
     seg_count = (counts + SELECTED_SEGMENT - 1) // SELECTED_SEGMENT
     seg_first = torch.cumsum(seg_count, 0) - seg_count
     num_segments = idx.numel() // SELECTED_SEGMENT + counts.numel()  # bound known on the host
-    k_seg = torch.arange(num_segments, device=q.device)
-    seg_list = torch.searchsorted(seg_first + seg_count, k_seg, right=True).clamp_max(
-        counts.numel() - 1)
-    seg_lo = offsets[seg_list].long() + (k_seg - seg_first[seg_list]) * SELECTED_SEGMENT
+    seg_list, index, _ = expand_counts(seg_count, num_segments)
+    seg_lo = offsets[seg_list].long() + index * SELECTED_SEGMENT
     seg_hi = torch.minimum(seg_lo + SELECTED_SEGMENT, offsets[seg_list + 1].long())
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
     R, launch = _launch("selected_dkdv", G, max(Dk, Dv))
     _selected_bwd_dkdv_kernel[(num_segments,)](
         q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
-        i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
+        _i32(seg_list), _i32(seg_lo), _i32(seg_hi), entry_pos,
         *strides_qkv, *_strides(do), *lse.stride()[:2],
         H, num_global, scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
@@ -301,7 +276,7 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, layout, params, scale):
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     for part, out, D, bd in ((dk_part, dk, Dk, bdk), (dv_part, dv, Dv, bdv)):
         _sum_segments_kernel[(counts.numel(),)](
-            part, out, block_start, block_end, i32(seg_first), i32(seg_count),
+            part, out, block_start, block_end, _i32(seg_first), _i32(seg_count),
             *_strides(out), H, num_global, D=D, BLOCK_D=bd, BLOCK_S=bs,
         )
     return dk, dv
@@ -312,16 +287,16 @@ class NSAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale, cu_seqlens):
         q, k, v, k_cmp, v_cmp, gates, k_win, v_win = (
             x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-        layout = build_layout(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
-        o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, layout, MODE_CMP, params, scale)
-        idx = select(q, k_cmp, lse_cmp, layout, params, scale)
-        o_slc, lse_slc = selected_forward(q, k, v, idx, layout, params, scale)
-        o_win, lse_win = branch_forward(q, k_win, v_win, layout, MODE_WIN, params, scale)
+        tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
+        o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
+        idx = select(q, k_cmp, lse_cmp, tables, params, scale)
+        o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale)
+        o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale)
         g = gates.float()
         out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc,
                               o_win, lse_cmp, lse_slc, lse_win)
-        ctx.layout, ctx.params, ctx.scale = layout, params, scale
+        ctx.tables, ctx.params, ctx.scale = tables, params, scale
         ctx.mark_non_differentiable()
         return out.to(q.dtype)
 
@@ -329,7 +304,7 @@ class NSAFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         (q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc,
          lse_win) = ctx.saved_tensors
-        layout, params, scale = ctx.layout, ctx.params, ctx.scale
+        tables, params, scale = ctx.tables, ctx.params, ctx.scale
         do = grad_out.float().contiguous()
         g = gates.float()
         dgates = torch.stack([(do * o).sum(-1) for o in (o_cmp, o_slc, o_win)], dim=-1)
@@ -341,13 +316,13 @@ class NSAFunction(torch.autograd.Function):
             # p·(dp − delta) leaves a rounding residue where it should cancel exactly.
             delta = (do_branch.to(q.dtype).float() * o).sum(-1).contiguous()
             if i == 0:
-                grads.append(branch_backward(q, k_cmp, v_cmp, do_branch, lse, delta, dq, layout,
+                grads.append(branch_backward(q, k_cmp, v_cmp, do_branch, lse, delta, dq, tables,
                                              MODE_CMP, params, scale))
             elif i == 1:
-                grads.append(selected_backward(q, k, v, idx, do_branch, lse, delta, dq, layout,
+                grads.append(selected_backward(q, k, v, idx, do_branch, lse, delta, dq, tables,
                                                params, scale))
             else:
-                grads.append(branch_backward(q, k_win, v_win, do_branch, lse, delta, dq, layout,
+                grads.append(branch_backward(q, k_win, v_win, do_branch, lse, delta, dq, tables,
                                              MODE_WIN, params, scale))
         (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_cmp.to(k_cmp.dtype),
@@ -363,8 +338,8 @@ def nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSA
 
 def nsa_select_triton(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None):
     q, k_cmp = q.contiguous(), k_cmp.contiguous()
-    layout = build_layout(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
+    tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     # Only the log-sum-exp of the compressed branch is needed; its output is discarded.
-    _, lse = branch_forward(q, k_cmp, k_cmp[..., :1], layout, MODE_CMP, params, scale)
-    return select(q, k_cmp, lse, layout, params, scale).long()
+    _, lse = branch_forward(q, k_cmp, k_cmp[..., :1], tables, MODE_CMP, params, scale)
+    return select(q, k_cmp, lse, tables, params, scale).long()
 
