@@ -41,3 +41,26 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
     p = tl.where(valid, tl.exp2(dot(q, tl.trans(k), IEEE) * scale_log2 - lse[:, None]), 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
     return p, ds
+
+
+@triton.jit
+def load_tile(row_ptrs, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[rows, BLOCK_D] from ``row_ptrs`` (one pointer per row start); 0 where masked."""
+    d = tl.arange(0, BLOCK_D)
+    return tl.load(row_ptrs[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
+def store_tile(row_ptrs, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    tl.store(row_ptrs[:, None] + d[None, :], value, mask=row_ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def add_tile(row_ptrs, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tile += value (read-modify-write by the one program that owns these rows)."""
+    d = tl.arange(0, BLOCK_D)
+    ptrs = row_ptrs[:, None] + d[None, :]
+    mask = row_ok[:, None] & (d[None, :] < D)
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)

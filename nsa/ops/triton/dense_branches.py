@@ -15,7 +15,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import dot, probs_and_dscores, softmax_finish, softmax_step
+from nsa.ops.triton.common import (
+    add_tile,
+    dot,
+    load_tile,
+    probs_and_dscores,
+    softmax_finish,
+    softmax_step,
+    store_tile,
+)
 
 MODE_CMP = 0
 MODE_WIN = 1
@@ -41,6 +49,23 @@ def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
 
 
 @triton.jit
+def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                CMP_STRIDE: tl.constexpr):
+    """This program's query rows (P positions x G heads of KV head h) and their key ranges."""
+    P: tl.constexpr = BLOCK_R // G
+    pid_bh = tl.program_id(1)
+    h = pid_bh % H
+    r = tl.arange(0, BLOCK_R)
+    t = tl.program_id(0) * P + r // G
+    row_ok = (r < P * G) & (t < T)
+    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
+                                CMP_STRIDE)
+    return ((pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, lo_r, hi_r,
+            tl.min(lo_r, axis=0), tl.max(hi_r, axis=0), t.to(tl.int64))
+
+
+@triton.jit
 def _branch_fwd_kernel(
     Q, K, V, O, LSE, tok_pos, tok_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -51,24 +76,9 @@ def _branch_fwd_kernel(
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    P: tl.constexpr = BLOCK_R // G
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r = tl.arange(0, BLOCK_R)
-    t = pid_t * P + r // G
-    hq = h * G + r % G
-    row_ok = (r < P * G) & (t < T)
-    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
-                                CMP_STRIDE)
-    lo = tl.min(lo_r, axis=0)
-    hi = tl.max(hi_r, axis=0)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    t64 = t.to(tl.int64)
-    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    b, h, hq, row_ok, lo_r, hi_r, lo, hi, t64 = _query_rows(
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -76,17 +86,14 @@ def _branch_fwd_kernel(
         s = start + tl.arange(0, BLOCK_N)
         s64 = s.to(tl.int64)
         k_ok = s < hi
-        k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
         scores = dot(q, tl.trans(k), IEEE)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
         scores = tl.where(valid, scores * scale_log2, float("-inf"))
         m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
     out, lse = softmax_finish(m, l, acc)
-    tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
-             out, mask=row_ok[:, None] & (dv[None, :] < DV))
+    store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
 
 
@@ -102,26 +109,10 @@ def _branch_bwd_dq_kernel(
     IEEE: tl.constexpr,
 ):
     """DQ (float32, layout of O with DK columns) += scale · Σ_s p (dp − delta) k_s."""
-    P: tl.constexpr = BLOCK_R // G
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r = tl.arange(0, BLOCK_R)
-    t = pid_t * P + r // G
-    hq = h * G + r % G
-    row_ok = (r < P * G) & (t < T)
-    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
-                                CMP_STRIDE)
-    lo = tl.min(lo_r, axis=0)
-    hi = tl.max(hi_r, axis=0)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    t64 = t.to(tl.int64)
-    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+    b, h, hq, row_ok, lo_r, hi_r, lo, hi, t64 = _query_rows(
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
@@ -129,17 +120,13 @@ def _branch_bwd_dq_kernel(
         s = start + tl.arange(0, BLOCK_N)
         s64 = s.to(tl.int64)
         k_ok = s < hi
-        k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
         p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
         acc += dot(ds.to(k.dtype), k, IEEE)
-    dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
-    dq_mask = row_ok[:, None] & (dk[None, :] < DK)
-    prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
-    tl.store(dq_ptr, prev + acc * scale, mask=dq_mask)
+    add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
+             BLOCK_DK)
 
 
 @triton.jit
@@ -165,12 +152,8 @@ def _branch_bwd_dkdv_kernel(
     s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     s64 = s.to(tl.int64)
     k_ok = s < NK
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
     # Both bounds are non-decreasing in the key index: read them at the tile's first/last key.
     last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
     t_lo = tl.maximum(tl.load(key_t_lo + pid_n * BLOCK_N), seg * SEGMENT)
@@ -185,11 +168,8 @@ def _branch_bwd_dkdv_kernel(
         lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                     CMP_STRIDE)
         t64 = t.to(tl.int64)
-        q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh
-                    + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh
-                     + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV),
-                     other=0.0).to(q.dtype)
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
@@ -198,7 +178,5 @@ def _branch_bwd_dkdv_kernel(
         acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
-    tl.store(dk_out + s64[:, None] * stride_dkt + h * stride_dkh + dk[None, :],
-             acc_k * scale, mask=k_ok[:, None] & (dk[None, :] < DK))
-    tl.store(dv_out + s64[:, None] * stride_dvt + h * stride_dvh + dv[None, :],
-             acc_v, mask=k_ok[:, None] & (dv[None, :] < DV))
+    store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
+    store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)

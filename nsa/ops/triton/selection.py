@@ -22,7 +22,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import dot, probs_and_dscores, softmax_finish, softmax_step
+from nsa.ops.triton.common import (
+    add_tile,
+    dot,
+    load_tile,
+    probs_and_dscores,
+    softmax_finish,
+    softmax_step,
+    store_tile,
+)
 
 
 @triton.jit
@@ -35,6 +43,44 @@ def _tile_rows(tile, tile_start, tile_end, tile_seq_start, P: tl.constexpr, G: t
     t = t0 + r // G
     row_ok = (r < P * G) & (t < t_end)
     return r, t, row_ok, seq_start, t_end
+
+
+@triton.jit
+def _selected_rows(IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H,
+                   G: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                   NPAD: tl.constexpr):
+    """This program's rows and the blocks each row's position selected ([R, NPAD], -1 padded)."""
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start,
+                                                BLOCK_R // G, G, BLOCK_R)
+    slot = tl.arange(0, NPAD)
+    idx_ptr = IDX + b * stride_ib + h * stride_ih
+    mine = tl.load(idx_ptr + t.to(tl.int64)[:, None] * stride_it + slot[None, :],
+                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)
+    return (b, h, r, t, h * G + r % G, row_ok, seq_start, t_end, tl.load(tile_start + tile),
+            idx_ptr, mine)
+
+
+@triton.jit
+def _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G: tl.constexpr):
+    """Slot c of position t0 + pp, and whether this is its first visit in the tile (valid and
+    not chosen by an earlier position of the tile): each block is visited once."""
+    block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
+    earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
+    return block, (block >= 0) & (earlier == 0)
+
+
+@triton.jit
+def _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Key positions of ``block`` and the [R, BLOCK_S] mask of the rows that selected it (causal)."""
+    s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
+    k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
+    row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
+    valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+    return s.to(tl.int64), k_ok, valid
 
 
 @triton.jit
@@ -64,8 +110,7 @@ def _select_kernel(
     hq = h * G + r % G
     t64 = t.to(tl.int64)
     dk = tl.arange(0, BLOCK_DK)
-    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     # Overlap (/ l) of compressed token a (relative to the chunk) with block c of this chunk
     # and with block c of the next chunk.
@@ -126,49 +171,28 @@ def _selected_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
     NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
 ):
-    P: tl.constexpr = BLOCK_R // G
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
-                                                BLOCK_R)
-    hq = h * G + r % G
+    b, h, r, t, hq, row_ok, seq_start, t_end, t0, idx_ptr, mine = _selected_rows(
+        IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H, G,
+        BLOCK_R, NUM_SELECTED, NPAD)
     t64 = t.to(tl.int64)
-    t0 = tl.load(tile_start + tile)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    slot = tl.arange(0, NPAD)
-    idx_ptr = IDX + b * stride_ib + h * stride_ih
-    mine = tl.load(idx_ptr + t64[:, None] * stride_it + slot[None, :],
-                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)  # [R, NPAD]
-    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    num_pos = tl.minimum(P, t_end - t0)
+    num_pos = tl.minimum(BLOCK_R // G, t_end - t0)
     for pp in range(0, num_pos):
         for c in range(0, NUM_SELECTED):
-            block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
-            # Visit each block once: skip it if an earlier position of the tile chose it.
-            earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
-            if (block >= 0) & (earlier == 0):
-                s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
-                s64 = s.to(tl.int64)
-                k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
-                k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh
-                            + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-                v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
-                            + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+            block, first_visit = _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G)
+            if first_visit:
+                s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
+                                               BLOCK_S)
+                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
                 scores = dot(q, tl.trans(k), IEEE)
-                row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
-                valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
                 scores = tl.where(valid, scores * scale_log2, float("-inf"))
                 m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
     out, lse = softmax_finish(m, l, acc)
-    tl.store(O + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
-             out, mask=row_ok[:, None] & (dv[None, :] < DV))
+    store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
 
 
@@ -183,50 +207,28 @@ def _selected_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
     NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
 ):
-    P: tl.constexpr = BLOCK_R // G
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
-                                                BLOCK_R)
-    hq = h * G + r % G
+    b, h, r, t, hq, row_ok, seq_start, t_end, t0, idx_ptr, mine = _selected_rows(
+        IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H, G,
+        BLOCK_R, NUM_SELECTED, NPAD)
     t64 = t.to(tl.int64)
-    t0 = tl.load(tile_start + tile)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    slot = tl.arange(0, NPAD)
-    idx_ptr = IDX + b * stride_ib + h * stride_ih
-    mine = tl.load(idx_ptr + t64[:, None] * stride_it + slot[None, :],
-                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)
-    q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    num_pos = tl.minimum(P, t_end - t0)
+    num_pos = tl.minimum(BLOCK_R // G, t_end - t0)
     for pp in range(0, num_pos):
         for c in range(0, NUM_SELECTED):
-            block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
-            earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
-            if (block >= 0) & (earlier == 0):
-                s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
-                s64 = s.to(tl.int64)
-                k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
-                k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh
-                            + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-                v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh
-                            + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-                row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
-                valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+            block, first_visit = _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G)
+            if first_visit:
+                s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
+                                               BLOCK_S)
+                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
                 p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
                 acc += dot(ds.to(k.dtype), k, IEEE)
-    dq_ptr = DQ + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh + dk[None, :]
-    dq_mask = row_ok[:, None] & (dk[None, :] < DK)
-    prev = tl.load(dq_ptr, mask=dq_mask, other=0.0)
-    tl.store(dq_ptr, prev + acc * scale, mask=dq_mask)
+    add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
+             BLOCK_DK)
 
 
 @triton.jit
@@ -256,10 +258,8 @@ def _selected_bwd_dkdv_kernel(
     k_ok = s < s_hi
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * stride_kb + s64[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * stride_vb + s64[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
     r = tl.arange(0, BLOCK_R)
@@ -269,11 +269,8 @@ def _selected_bwd_dkdv_kernel(
         t = tl.load(entry_pos + e, mask=row_ok, other=0)
         hq = h * G + r % G
         t64 = t.to(tl.int64)
-        q = tl.load(Q + b * stride_qb + t64[:, None] * stride_qt + hq[:, None] * stride_qh
-                    + dk[None, :], mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        do = tl.load(DO + b * stride_ob + t64[:, None] * stride_ot + hq[:, None] * stride_oh
-                     + dv[None, :], mask=row_ok[:, None] & (dv[None, :] < DV),
-                     other=0.0).to(q.dtype)
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
