@@ -9,7 +9,8 @@ with vectorised PyTorch, so nothing reads a tensor value on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -23,6 +24,7 @@ from nsa.ops.triton.dense_branches import (
     _branch_bwd_dq_kernel,
     _branch_fwd_kernel,
 )
+from nsa.ops.triton.gating import _gate_backward_kernel, _gated_sum_kernel
 from nsa.ops.triton.selection import (
     _select_kernel,
     _selected_bwd_dkdv_kernel,
@@ -35,6 +37,8 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
+MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
+GATE_ROWS = 16  # rows per program of the gating kernels
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
@@ -63,6 +67,7 @@ class KernelTables:
     tok_t_hi: torch.Tensor  # [T] last query (exclusive) whose window sees this token
     cmp_t_lo: torch.Tensor  # [Tc] first query that sees this compressed token
     cmp_t_hi: torch.Tensor  # [Tc] end (exclusive) of its sequence
+    tiles: dict = field(default_factory=dict)  # positions per tile -> tile_table's result
 
 
 def _i32(x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +75,19 @@ def _i32(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> KernelTables:
+    """The tables of a batch; those of unpacked batches (no ``cu_seqlens``) depend on shapes
+    only and are built once per (T, Tc, params, device)."""
+    if cu_seqlens is None:
+        return _unpacked_tables(T, Tc, params, device)
+    return _build_tables(T, Tc, cu_seqlens, params, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacked_tables(T: int, Tc: int, params: NSAParams, device) -> KernelTables:
+    return _build_tables(T, Tc, None, params, device)
+
+
+def _build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> KernelTables:
     layout = SequenceLayout(T, Tc, cu_seqlens, params, device)
     t = torch.arange(T, device=device)
     cmp_seq_start = layout.starts[layout.cmp_seq]
@@ -89,14 +107,18 @@ def tile_table(tables: KernelTables, T: int, positions_per_tile: int):
     The count is bounded by cdiv(T, P) + N (a shape, known without a sync); unused tiles are
     empty (start == end).
     """
+    if positions_per_tile in tables.tiles:
+        return tables.tiles[positions_per_tile]
     layout, P = tables.layout, positions_per_tile
     num_tiles = triton.cdiv(T, P) + layout.starts.numel()
     tiles_per_seq = (layout.ends - layout.starts + P - 1) // P
     seq, index, used = expand_counts(tiles_per_seq, num_tiles)
     start = layout.starts[seq] + index * P
     end = torch.where(used, layout.ends[seq], start)
-    return (num_tiles, _i32(start), _i32(end), _i32(layout.starts[seq]),
-            _i32(layout.cmp_starts[seq]))
+    tiles = (num_tiles, _i32(start), _i32(end), _i32(layout.starts[seq]),
+             _i32(layout.cmp_starts[seq]))
+    tables.tiles[P] = tiles
+    return tiles
 
 
 def _launch(kind: str, G: int, head_dim: int):
@@ -109,6 +131,21 @@ def _launch(kind: str, G: int, head_dim: int):
     if _pow2(head_dim) > 128:
         rows, stages = rows // 2, 1
     return max(rows, _pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for the interpreter on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> int:
+    """Query positions per dK/dV segment: at most ``longest``, fewer (not below MIN_SEGMENT)
+    when ``programs`` key tiles alone would leave SMs idle (aim: two programs per SM)."""
+    wanted = triton.cdiv(2 * _num_sms(device), max(programs, 1))
+    return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
 
 
 def _strides(x: torch.Tensor, n: int = 3):
@@ -154,8 +191,11 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
         T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
-    # first key tiles do not run alone; window keys are seen by at most w queries.
-    segments = triton.cdiv(T, CMP_SEGMENT) if mode == MODE_CMP else 1
+    # first key tiles do not run alone; window keys are seen by at most w queries, and are
+    # split only when there are too few key tiles to fill the GPU (short T, small B * H).
+    segment = _dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
+                            CMP_SEGMENT if mode == MODE_CMP else T)
+    segments = triton.cdiv(T, segment)
     dk = torch.empty(segments, *k.shape, dtype=torch.float32, device=q.device)
     dv = torch.empty(segments, *v.shape, dtype=torch.float32, device=q.device)
     if mode == MODE_CMP:
@@ -167,7 +207,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
             t_lo, t_hi, *strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
-            dv.stride(0), T, NK, H, CMP_SEGMENT if mode == MODE_CMP else T, scale * LOG2E,
+            dv.stride(0), T, NK, H, segment, scale * LOG2E,
             scale, BLOCK_R=R, **meta, **launch,
         )
     return dk.sum(0), dv.sum(0)
@@ -282,64 +322,142 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     return dk, dv
 
 
-class NSAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale, cu_seqlens):
-        q, k, v, k_cmp, v_cmp, gates, k_win, v_win = (
-            x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-        tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
-        o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
-        idx = select(q, k_cmp, lse_cmp, tables, params, scale)
-        o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale)
-        o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale)
-        g = gates.float()
-        out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-        ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc,
-                              o_win, lse_cmp, lse_slc, lse_win)
-        ctx.tables, ctx.params, ctx.scale = tables, params, scale
-        ctx.mark_non_differentiable()
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc,
-         lse_win) = ctx.saved_tensors
-        tables, params, scale = ctx.tables, ctx.params, ctx.scale
-        do = grad_out.float().contiguous()
-        g = gates.float()
-        dgates = torch.stack([(do * o).sum(-1) for o in (o_cmp, o_slc, o_win)], dim=-1)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grads = []
-        for i, (o, lse) in enumerate(((o_cmp, lse_cmp), (o_slc, lse_slc), (o_win, lse_win))):
-            do_branch = (g[..., i:i + 1] * do).contiguous()
-            # The kernels read do in the input dtype: delta must use the same rounded values, or
-            # p·(dp − delta) leaves a rounding residue where it should cancel exactly.
-            delta = (do_branch.to(q.dtype).float() * o).sum(-1).contiguous()
-            if i == 0:
-                grads.append(branch_backward(q, k_cmp, v_cmp, do_branch, lse, delta, dq, tables,
-                                             MODE_CMP, params, scale))
-            elif i == 1:
-                grads.append(selected_backward(q, k, v, idx, do_branch, lse, delta, dq, tables,
-                                               params, scale))
-            else:
-                grads.append(branch_backward(q, k_win, v_win, do_branch, lse, delta, dq, tables,
-                                             MODE_WIN, params, scale))
-        (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_cmp.to(k_cmp.dtype),
-                dv_cmp.to(v_cmp.dtype), dgates.to(gates.dtype), dk_win.to(k_win.dtype),
-                dv_win.to(v_win.dtype), None, None, None)
+def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scale: float,
+             cu_seqlens):
+    """-> (out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win); all but ``out`` are what
+    the backward reads (branch outputs in float32, log-sum-exps, selected blocks)."""
+    tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
+    o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
+    idx = select(q, k_cmp, lse_cmp, tables, params, scale)
+    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale)
+    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale)
+    out = torch.empty(o_cmp.shape, dtype=q.dtype, device=q.device)
+    N, Dv = out.numel() // out.shape[-1], out.shape[-1]
+    _gated_sum_kernel[(triton.cdiv(N, GATE_ROWS),)](
+        o_cmp, o_slc, o_win, gates, out, N, DV=Dv, BLOCK_D=_pow2(Dv), ROWS=GATE_ROWS)
+    return out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win
 
 
-def nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
-                         scale: float, cu_seqlens=None) -> torch.Tensor:
-    return NSAFunction.apply(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale,
-                             cu_seqlens)
+def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc, o_win,
+              lse_cmp, lse_slc, lse_win, params: NSAParams, scale: float, cu_seqlens):
+    """-> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), in their dtypes."""
+    tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
+    N, Dv = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
+    do_branch = torch.empty(3, *o_cmp.shape, dtype=q.dtype, device=q.device)  # [3, B, T, HQ, Dv]
+    delta = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=q.device)
+    dgates = torch.empty(gates.shape, dtype=torch.float32, device=q.device)
+    _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
+        grad_out, gates, o_cmp, o_slc, o_win, *do_branch, *delta, dgates, N, DV=Dv,
+        BLOCK_D=_pow2(Dv), ROWS=GATE_ROWS)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grads = (
+        branch_backward(q, k_cmp, v_cmp, do_branch[0], lse_cmp, delta[0], dq, tables, MODE_CMP,
+                        params, scale),
+        selected_backward(q, k, v, idx, do_branch[1], lse_slc, delta[1], dq, tables, params,
+                          scale),
+        branch_backward(q, k_win, v_win, do_branch[2], lse_win, delta[2], dq, tables, MODE_WIN,
+                        params, scale),
+    )
+    (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dk_cmp.to(k_cmp.dtype),
+            dv_cmp.to(v_cmp.dtype), dgates.to(gates.dtype), dk_win.to(k_win.dtype),
+            dv_win.to(v_win.dtype))
 
 
-def nsa_select_triton(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None):
+# The op is registered with torch.library so torch.compile traces it as one opaque node (no
+# graph break) with shapes from the fake implementations. Block parameters travel as ints.
+PARAM_NAMES = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "window", "num_init",
+               "num_local")
+
+
+@torch.library.custom_op("nsa::attention_fwd", mutates_args=())
+def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor,
+                     v_cmp: torch.Tensor, gates: torch.Tensor, k_win: torch.Tensor,
+                     v_win: torch.Tensor, cu_seqlens: torch.Tensor | None, cmp_block: int,
+                     cmp_stride: int, sel_block: int, num_selected: int, window: int,
+                     num_init: int, num_local: int, scale: float) -> list[torch.Tensor]:
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
+                       num_local)
+    tensors = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    return list(_forward(*tensors, params, scale, cu_seqlens))
+
+
+@attention_fwd_op.register_fake
+def _(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, cmp_block, cmp_stride, sel_block,
+      num_selected, window, num_init, num_local, scale):
+    B, T, HQ, _ = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    branch_out = q.new_empty(B, T, HQ, Dv, dtype=torch.float32)
+    lse = q.new_empty(B, T, HQ, dtype=torch.float32)
+    idx = q.new_empty(B, T, H, num_selected, dtype=torch.int32)
+    return [q.new_empty(B, T, HQ, Dv), idx, branch_out, torch.empty_like(branch_out),
+            torch.empty_like(branch_out), lse, torch.empty_like(lse), torch.empty_like(lse)]
+
+
+@torch.library.custom_op("nsa::attention_bwd", mutates_args=())
+def attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
+                     k_win: torch.Tensor, v_win: torch.Tensor, idx: torch.Tensor,
+                     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+                     lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None, cmp_block: int, cmp_stride: int,
+                     sel_block: int, num_selected: int, window: int, num_init: int,
+                     num_local: int, scale: float) -> list[torch.Tensor]:
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
+                       num_local)
+    inputs = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc,
+                          lse_win, params, scale, cu_seqlens))
+
+
+@attention_bwd_op.register_fake
+def _(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved_and_params):
+    return [torch.empty_like(x) for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win)]
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, *params, scale) = inputs
+    _, *saved = output
+    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved)
+    ctx.cu_seqlens, ctx.params, ctx.scale = cu_seqlens, params, scale
+
+
+def _attention_grad(ctx, grad_outputs):
+    grads = attention_bwd_op(grad_outputs[0], *ctx.saved_tensors, ctx.cu_seqlens, *ctx.params,
+                             ctx.scale)
+    return (*grads, None, *(None for _ in PARAM_NAMES), None)
+
+
+attention_fwd_op.register_autograd(_attention_grad, setup_context=_setup_context)
+
+
+@torch.library.custom_op("nsa::select", mutates_args=())
+def select_op(q: torch.Tensor, k_cmp: torch.Tensor, cu_seqlens: torch.Tensor | None,
+              cmp_block: int, cmp_stride: int, sel_block: int, num_selected: int, num_init: int,
+              num_local: int, scale: float) -> torch.Tensor:
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, num_init=num_init,
+                       num_local=num_local)
     q, k_cmp = q.contiguous(), k_cmp.contiguous()
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     # Only the log-sum-exp of the compressed branch is needed; its output is discarded.
     _, lse = branch_forward(q, k_cmp, k_cmp[..., :1], tables, MODE_CMP, params, scale)
     return select(q, k_cmp, lse, tables, params, scale).long()
 
+
+@select_op.register_fake
+def _(q, k_cmp, cu_seqlens, cmp_block, cmp_stride, sel_block, num_selected, num_init, num_local,
+      scale):
+    B, T, _, _ = q.shape
+    return q.new_empty(B, T, k_cmp.shape[2], num_selected, dtype=torch.long)
+
+
+def nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
+                         scale: float, cu_seqlens=None) -> torch.Tensor:
+    values = [getattr(params, name) for name in PARAM_NAMES]
+    return attention_fwd_op(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, *values,
+                            scale)[0]
+
+
+def nsa_select_triton(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None):
+    return select_op(q, k_cmp, cu_seqlens, params.cmp_block, params.cmp_stride, params.sel_block,
+                     params.num_selected, params.num_init, params.num_local, scale)

@@ -1,0 +1,60 @@
+"""The gated combination of the three branches, forward and backward, one pass each.
+
+Rows are the flattened (batch, position, query head) triples; every tensor is contiguous.
+Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward, for each branch i:
+dg_i = do · o_i, the branch's output gradient do_i = g_i do (stored in the inputs' dtype, which
+the attention backward kernels read) and delta_i = do_i · o_i computed from that rounded do_i,
+so that p (dp - delta) cancels exactly where it should.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(N, DV: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """This program's rows, (row, column) offsets into [N, DV] and the in-bounds mask."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = r < N
+    offsets = r.to(tl.int64)[:, None] * DV + d[None, :]
+    return r, row_ok, offsets, row_ok[:, None] & (d[None, :] < DV)
+
+
+@triton.jit
+def _gated_sum_kernel(O_CMP, O_SLC, O_WIN, GATES, OUT, N, DV: tl.constexpr,
+                      BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    r, row_ok, offsets, mask = _rows(N, DV, BLOCK_D, ROWS)
+    gates = GATES + r.to(tl.int64) * 3
+    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)
+    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)
+    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)
+    out = (g_cmp[:, None] * tl.load(O_CMP + offsets, mask=mask, other=0.0)
+           + g_slc[:, None] * tl.load(O_SLC + offsets, mask=mask, other=0.0)
+           + g_win[:, None] * tl.load(O_WIN + offsets, mask=mask, other=0.0))
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _branch_gate_grad(do, O, GATES, DO_BRANCH, DELTA, DGATES, branch: tl.constexpr, r, row_ok,
+                      offsets, mask):
+    """dg, do_i and delta_i of one branch (see the module docstring)."""
+    o = tl.load(O + offsets, mask=mask, other=0.0)
+    g = tl.load(GATES + r.to(tl.int64) * 3 + branch, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(DGATES + r.to(tl.int64) * 3 + branch, tl.sum(do * o, axis=1), mask=row_ok)
+    do_branch = (g[:, None] * do).to(DO_BRANCH.dtype.element_ty)
+    tl.store(DO_BRANCH + offsets, do_branch, mask=mask)
+    tl.store(DELTA + r, tl.sum(do_branch.to(tl.float32) * o, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, DO_CMP, DO_SLC, DO_WIN, DELTA_CMP,
+                          DELTA_SLC, DELTA_WIN, DGATES, N, DV: tl.constexpr,
+                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    r, row_ok, offsets, mask = _rows(N, DV, BLOCK_D, ROWS)
+    do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
+    _branch_gate_grad(do, O_CMP, GATES, DO_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets, mask)
+    _branch_gate_grad(do, O_SLC, GATES, DO_SLC, DELTA_SLC, DGATES, 1, r, row_ok, offsets, mask)
+    _branch_gate_grad(do, O_WIN, GATES, DO_WIN, DELTA_WIN, DGATES, 2, r, row_ok, offsets, mask)
