@@ -58,7 +58,7 @@ IMPLS = {
 
 
 def profile(T, HQ, H, D, dtype) -> None:
-    """Print the CUDA kernels of one nsa-triton forward+backward, by total time."""
+    """Print one nsa-triton forward+backward's CUDA kernels by time, then host-side ops by CPU time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -66,10 +66,12 @@ def profile(T, HQ, H, D, dtype) -> None:
     run = IMPLS["nsa-triton"]
     grad = torch.randn(1, T, HQ, D, dtype=dtype, device="cuda")
     torch.autograd.grad(run(x), list(x.values()), grad)
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(run(x), list(x.values()), grad)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=14))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))  # host-side overhead
 
 
 def measure(impl: str, T: int, HQ: int, H: int, D: int, dtype) -> dict:

@@ -1,4 +1,4 @@
-"""Launch wrappers and the autograd Function of the Triton NSA backend.
+"""Launch wrappers and the torch.library ops (forward, backward, selection) of the Triton backend.
 
 Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> selected
 attention -> window attention -> gated sum. Each branch output is kept in float32 for the

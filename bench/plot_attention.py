@@ -1,0 +1,43 @@
+"""Plot time vs T from the JSON that ``bench/attention.py --out DIR`` writes.
+
+    python bench/plot_attention.py bench/results/attention-h200-2026-11-22.json docs/attention.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("png")
+    parser.add_argument("--heads", default="64,4", help="HQ,H of the T sweep to plot")
+    args = parser.parse_args(argv)
+    HQ, H = (int(x) for x in args.heads.split(","))
+    with open(args.results) as f:
+        rows = [r for r in json.load(f) if r["HQ"] == HQ and r["H"] == H]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for ax, key, title in zip(axes, ("fwd_ms", "fwd_bwd_ms"), ("forward", "forward + backward"),
+                              strict=True):
+        for impl in sorted({r["impl"] for r in rows}):
+            points = sorted((r["T"], r[key]) for r in rows if r["impl"] == impl)
+            ax.plot(*zip(*points, strict=True), marker="o", label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms", title=title)
+        ax.set_xticks([p for p in sorted({r["T"] for r in rows})])
+        ax.set_xticklabels([f"{t // 1024}k" for t in sorted({r["T"] for r in rows})])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"NSA vs dense causal attention, one H200, bf16, B=1, HQ={HQ}, H={H}, D=128")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
