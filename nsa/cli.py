@@ -1,4 +1,4 @@
-"""Command line: ``nsa train`` and ``nsa sample``."""
+"""Command line: ``nsa train``, ``nsa sample`` and ``nsa export``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nsa.train import TRAIN_PRESETS, build_config, sample_checkpoint, train
-from nsa.train.checkpoint import RunDirError
+from nsa.train.checkpoint import RunDirError, export_model, latest_checkpoint
 from nsa.train.config import DEVICES
 
 
@@ -23,19 +23,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_cmd.add_argument("--preset", default="tiny", choices=sorted(TRAIN_PRESETS))
     train_cmd.add_argument("--resume", action="store_true",
-                           help="continue from run_dir/checkpoint.pt")
+                           help="continue from the newest checkpoint in run_dir/checkpoints")
     train_cmd.add_argument("--overwrite", action="store_true",
                            help="start over in a run_dir that already holds a checkpoint")
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.set_defaults(run=run_train)
 
     sample_cmd = commands.add_parser("sample", help="print a sample from a trained checkpoint")
-    sample_cmd.add_argument("--run-dir", type=Path, required=True)
+    sample_cmd.add_argument("--run-dir", type=Path, required=True,
+                            help="a run directory, or a model file written by 'nsa export'")
     sample_cmd.add_argument("--prompt", default=None, help="default: the run's sample_prompt")
     sample_cmd.add_argument("--tokens", type=int, default=None, help="bytes to generate")
     sample_cmd.add_argument("--temperature", type=float, default=None)
     sample_cmd.add_argument("--device", default="auto", choices=DEVICES)
     sample_cmd.set_defaults(run=run_sample)
+
+    export_cmd = commands.add_parser(
+        "export", help="write a run's newest checkpoint as one model file (no optimizer)")
+    export_cmd.add_argument("--run-dir", type=Path, required=True)
+    export_cmd.add_argument("--out", type=Path, required=True)
+    export_cmd.set_defaults(run=run_export)
     return parser
 
 
@@ -56,6 +63,14 @@ def run_sample(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                                 args.device))
     except RunDirError as error:
         parser.error(str(error))
+
+
+def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        checkpoint = latest_checkpoint(args.run_dir)
+    except RunDirError as error:
+        parser.error(str(error))
+    print(f"wrote {export_model(checkpoint, args.out)} from {checkpoint}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

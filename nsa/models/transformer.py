@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from nsa.layers.attention import DenseAttention, NSAttention
 from nsa.models.config import ModelConfig
@@ -41,6 +42,7 @@ class LanguageModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.checkpoint_blocks = False  # activation checkpointing per block (set by the trainer)
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -69,7 +71,10 @@ class LanguageModel(nn.Module):
             raise ValueError(f"tokens must have shape [B, T], got {tuple(tokens.shape)}")
         x = self.embed(tokens)  # [B, T, dim]
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # recomputed in backward
+            else:
+                x = block(x)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits

@@ -1,40 +1,136 @@
-"""Checkpoints: everything a resumed run needs to continue exactly where it stopped.
+"""Checkpoints with torch.distributed.checkpoint (DCP): any world size in, any world size out.
 
-A checkpoint is written to a temporary file in the run directory, flushed to disk and then
-renamed over ``checkpoint.pt``, so a crash mid-save leaves the previous checkpoint intact.
-The learning rate is a function of the step and each batch a function of (seed, step), so
-the step number stands in for scheduler and data-loader state.
+Layout: ``run_dir/checkpoints/step_000100/`` holds the DCP shards of the model and optimizer
+(written by every rank) and ``trainer_state.pt`` (rank 0: step, config, every rank's data state
+and RNG state). Every rank writes into ``.step_000100.tmp/``; once all have finished, rank 0
+adds the trainer state, renames the directory and syncs it: a crash mid-save leaves only a
+temporary directory, never a half-written ``step_*``, and the previous checkpoint stays.
+The newest ``keep`` checkpoints are kept. The learning rate is a function of the step.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from nsa.train.config import RunConfig
+from nsa.train.distributed import DistContext, all_gather_objects, barrier
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.pt"
+EXPORT_FORMAT = "nsa-model-v1"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class RunDirError(Exception):
-    """There is no checkpoint where one was asked for."""
+    """There is no checkpoint where one was asked for, or a fresh run would replace one."""
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    dirs = checkpoint_dirs(run_dir)
+    if not dirs:
+        raise RunDirError(f"no checkpoint to resume from in {run_dir / CHECKPOINTS}")
+    return dirs[-1]
+
+
+def rng_state() -> dict:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    config: RunConfig) -> Path:
-    state = {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "config": config.to_dict(),
-        "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()},
-    }
-    path = run_dir / CHECKPOINT
-    atomic_save(state, path)
-    return path
+                    config: RunConfig, data_state: dict, ctx: DistContext, keep: int) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    root = run_dir / CHECKPOINTS
+    final = root / f"step_{step:06d}"
+    tmp = root / f".{final.name}.tmp"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+        root.mkdir(parents=True, exist_ok=True)
+    barrier(ctx)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    data_states = all_gather_objects(data_state, ctx)
+    rng_states = all_gather_objects(rng_state(), ctx)
+    if ctx.is_main:
+        trainer_state = {"step": step, "config": config.to_dict(), "world_size": ctx.world_size,
+                         "data": data_states, "rng": rng_states}
+        atomic_save(trainer_state, tmp / TRAINER_STATE)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    barrier(ctx)
+    return final
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    config: RunConfig, ctx: DistContext) -> tuple[int, dict]:
+    """Collective: load a checkpoint into ``model`` and ``optimizer``, at any world size.
+
+    Returns (step, this rank's data state). The model config must match the checkpoint's;
+    training settings may differ (for example a larger ``max_steps`` to extend a run).
+    """
+    state = read_trainer_state(path)
+    saved = RunConfig.from_dict(state["config"])
+    if saved.model != config.model:
+        raise ValueError(f"the model config differs from the checkpoint's: "
+                         f"{config_diff(saved.model, config.model)}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    to_load = {"model": model_state, "optim": optim_state}
+    dcp.load(to_load, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=to_load["model"],
+                   optim_state_dict=to_load["optim"])
+    same_world = state["world_size"] == ctx.world_size
+    set_rng_state(state["rng"][ctx.rank if same_world else 0])
+    return state["step"], data_state_for_rank(state["data"], ctx, path)
+
+
+def read_trainer_state(path: Path) -> dict:
+    """Step, config, world size, data and RNG states of a checkpoint directory."""
+    return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """The weights of a checkpoint directory into a plain (unwrapped) model, one process."""
+    to_load = {"model": model.state_dict()}
+    dcp.load(to_load, checkpoint_id=path)
+    model.load_state_dict(to_load["model"])
+
+
+def data_state_for_rank(states: list[dict], ctx: DistContext, path: Path) -> dict:
+    """This rank's data state. Index-based streams (bundled corpus, synthetic) continue at any
+    world size; a document stream's position is per rank and needs the same world size."""
+    if len(states) == ctx.world_size:
+        return states[ctx.rank]
+    if all(set(s) == {"batch_index"} for s in states):
+        return states[0]
+    raise ValueError(f"{path} was saved by {len(states)} ranks reading a document stream; "
+                     f"its data position cannot be split over {ctx.world_size} ranks")
 
 
 def atomic_save(state: dict, path: Path) -> None:
@@ -49,37 +145,38 @@ def atomic_save(state: dict, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def load_checkpoint(run_dir: Path) -> dict:
-    """The saved state, on the CPU (``restore`` moves it to the model's device)."""
-    path = run_dir / CHECKPOINT
-    if not path.is_file():
-        raise RunDirError(f"no checkpoint to resume from at {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+def export_model(checkpoint: Path, out: Path) -> Path:
+    """One file with the model's config and weights (no optimizer), from a DCP checkpoint;
+    :func:`load_exported` reads it. Runs in a single process."""
+    from nsa.models import LanguageModel
+
+    state = read_trainer_state(checkpoint)
+    config = RunConfig.from_dict(state["config"])
+    model = LanguageModel(config.model)
+    load_model_weights(checkpoint, model)
+    atomic_save({"format": EXPORT_FORMAT, "step": state["step"], "config": config.to_dict(),
+                 "model": model.state_dict()}, out)
+    return out
 
 
-def restore(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
-            config: RunConfig) -> int:
-    """Load ``state`` into ``model`` and ``optimizer``; returns the step it was saved at.
-
-    The model configuration must match the checkpoint's; training settings may differ (for
-    example a larger ``max_steps`` to extend a finished run).
-    """
-    saved = RunConfig.from_dict(state["config"])
-    if saved.model != config.model:
-        diff = config_diff(saved.model, config.model)
-        raise ValueError(f"the model config differs from the checkpoint's: {diff}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"]
+def load_exported(path: Path) -> tuple[RunConfig, dict, int]:
+    """(config, model state dict, step) of a file written by :func:`export_model`."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path} is not an exported nsa model (format {EXPORT_FORMAT})")
+    return RunConfig.from_dict(state["config"]), state["model"], state["step"]
 
 
 def config_diff(old, new) -> str:

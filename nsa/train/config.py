@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
 from nsa.models.config import ModelConfig, model_preset
-from nsa.train.tokenizer import VOCAB_SIZE
+from nsa.train.distributed import PARALLEL
+from nsa.train.tokenizer import TOKENIZERS
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -38,6 +39,23 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     autocast: bool = True  # bf16 autocast on CUDA; the CPU always computes in float32
     num_threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    # Data: "shakespeare" (bundled), "synthetic", "fineweb", "hf:<name>" or local files (a
+    # .txt/.jsonl/.parquet file, directory or glob); see nsa.train.streams.build_stream.
+    data: str = "shakespeare"
+    tokenizer: str = "bytes"  # "bytes" or "gpt2" (tiktoken)
+    dataset_config: str | None = None  # hub config, default "sample-10BT" for fineweb
+    val_docs: int = 1000  # documents of a document stream held out for validation
+    data_retries: int = 5  # re-opens of a failing stream, with exponential backoff
+    data_backoff_s: float = 2.0
+    # Parallelism under torchrun: "none", "ddp" or "fsdp" (FSDP2). batch_size is global.
+    parallel: str = "none"
+    activation_checkpointing: bool = False  # per block, non-reentrant
+    compile: bool = False  # torch.compile per block
+    keep_checkpoints: int = 3  # newest checkpoints kept
+    watchdog_timeout_s: float | None = 900.0  # no step for this long: dump stacks and exit
+    watchdog_first_timeout_s: float | None = 3600.0  # allowance for the first step (compiling)
+    tensorboard: bool = False
+    wandb_project: str | None = None
     sample_prompt: str = "ROMEO:"
     sample_tokens: int = 200  # bytes generated after the prompt at the end of training
     sample_temperature: float = 0.8
@@ -66,6 +84,24 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be None or > 0, got {self.grad_clip}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}, got "
+                             f"{self.tokenizer!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {PARALLEL}, got {self.parallel!r}")
+        for name in ("val_docs", "data_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.data_backoff_s >= 0:
+            raise ValueError(f"data_backoff_s must be >= 0, got {self.data_backoff_s}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        for name in ("watchdog_timeout_s", "watchdog_first_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be None or > 0, got {value}")
+        if not self.data:
+            raise ValueError("data must not be empty")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not self.sample_prompt:
@@ -84,9 +120,10 @@ class RunConfig:
     train: TrainConfig
 
     def __post_init__(self) -> None:
-        if self.model.vocab_size < VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be >= {VOCAB_SIZE} for the byte tokenizer, "
-                             f"got {self.model.vocab_size}")
+        vocab = TOKENIZERS[self.train.tokenizer].vocab_size
+        if self.model.vocab_size < vocab:
+            raise ValueError(f"vocab_size must be >= {vocab} for the {self.train.tokenizer} "
+                             f"tokenizer, got {self.model.vocab_size}")
         if self.train.seq_len is None:
             object.__setattr__(self, "train", replace(self.train, seq_len=self.model.max_seq_len))
         if self.train.seq_len > self.model.max_seq_len:
@@ -119,6 +156,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "m7c-125m": TrainConfig(
         batch_size=8, seq_len=2048, max_steps=20000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
         eval_interval=500, eval_steps=50, checkpoint_interval=1000, run_dir="runs/m7c-125m",
+        data="fineweb", tokenizer="gpt2", sample_prompt="The", sample_tokens=64,
     ),
 }
 

@@ -21,6 +21,17 @@ def load_corpus(name: str = CORPUS) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
+def read_corpus(name: str = CORPUS) -> str:
+    """The text of a corpus shipped in ``nsa.data``, for tokenizers other than bytes."""
+    return resources.files("nsa.data").joinpath(name).read_text(encoding="utf-8")
+
+
+def batch_generator(seed: int, stream: int, index: int) -> torch.Generator:
+    """A generator seeded from (seed, stream, index) alone: batch ``index``'s randomness."""
+    state = np.random.SeedSequence([seed, stream, index]).generate_state(1, np.uint64)
+    return torch.Generator().manual_seed(int(state[0]))
+
+
 def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, val): val is the last ``val_fraction`` of the tokens."""
     num_val = int(len(tokens) * val_fraction)
@@ -38,9 +49,7 @@ class BatchSampler:
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (x [B, T], y [B, T]) int64 with y[:, t] = x[:, t + 1] in the stream."""
-        seed = np.random.SeedSequence([self.seed, self.stream, index]).generate_state(1, np.uint64)
-        generator = torch.Generator().manual_seed(int(seed[0]))
         starts = torch.randint(len(self.tokens) - self.seq_len, (self.batch_size,),
-                               generator=generator)
+                               generator=batch_generator(self.seed, self.stream, index))
         windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]  # [B, T + 1]
         return windows[:, :-1], windows[:, 1:]

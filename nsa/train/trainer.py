@@ -1,11 +1,18 @@
-"""The training loop: build the parts, restore, step, evaluate, checkpoint, sample."""
+"""The training loop: build the parts, restore, step, evaluate, checkpoint, sample.
+
+One process, or one per GPU under torchrun (``parallel=ddp|fsdp``). ``batch_size`` is the
+global number of sequences per micro-batch: each of W ranks takes ``batch_size / W`` of them,
+so a run computes the same losses at any world size (up to reduction order).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,88 +20,202 @@ import torch
 from torch import nn
 
 from nsa.models import LanguageModel
-from nsa.train.checkpoint import CHECKPOINT, RunDirError, load_checkpoint, restore, save_checkpoint
+from nsa.train.checkpoint import (
+    CHECKPOINTS,
+    RunDirError,
+    checkpoint_dirs,
+    latest_checkpoint,
+    load_checkpoint,
+    load_exported,
+    load_model_weights,
+    read_trainer_state,
+    save_checkpoint,
+)
 from nsa.train.config import RunConfig, TrainConfig
-from nsa.train.data import TRAIN_STREAM, VAL_STREAM, BatchSampler, load_corpus, split_tokens
+from nsa.train.distributed import (
+    DistContext,
+    all_reduce_mean,
+    barrier,
+    gradient_sync,
+    init_distributed,
+    shutdown_distributed,
+    unwrap,
+    wrap_model,
+)
+from nsa.train.flops import flops_metrics, matmul_params, model_flops_per_token, peak_flops
 from nsa.train.metrics import MetricsLog, Progress
-from nsa.train.tokenizer import decode, encode
+from nsa.train.streams import TokenStream, build_stream, local_batch_size
+from nsa.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
+from nsa.train.watchdog import Heartbeat, Watchdog
 
 
 @dataclass(frozen=True)
 class TrainResult:
     steps: int
     train_loss: float | None  # loss of the last step; None when the run had no step left to do
-    val_loss: float  # nats per byte
+    val_loss: float  # nats per token
     run_dir: Path
     sample: str
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient norm became NaN/inf; every rank stops, no checkpoint is written."""
 
 
 def train(config: RunConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Train ``config`` in ``config.train.run_dir``.
 
-    ``resume`` continues from its checkpoint; ``overwrite`` lets a fresh run replace one.
+    ``resume`` continues from its newest checkpoint; ``overwrite`` lets a fresh run replace one.
+    Under torchrun every rank calls this with the same config.
     """
     t = config.train
     if t.num_threads is not None:
         torch.set_num_threads(t.num_threads)
-    device = resolve_device(t.device)
-    run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite)
-    train_tokens, val_tokens = split_tokens(load_corpus(), t.val_fraction)
-    train_batches = BatchSampler(train_tokens, t.batch_size, t.seq_len, t.seed, TRAIN_STREAM)
-    val_batches = BatchSampler(val_tokens, t.batch_size, t.seq_len, t.seed, VAL_STREAM)
+    ctx = init_distributed(t.device)
+    try:
+        return _train(config, ctx, resume, overwrite)
+    finally:
+        shutdown_distributed()
+
+
+def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -> TrainResult:
+    t, device = config.train, ctx.device
+    run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite, ctx)
+    if t.parallel == "none" and ctx.world_size > 1:
+        raise ValueError(f"{ctx.world_size} processes need parallel=ddp or parallel=fsdp")
+    tokenizer = load_tokenizer(t)
+    rows = local_batch_size(t.batch_size, ctx.world_size)
+    stream_args = dict(tokenizer=tokenizer, batch_size=rows, seq_len=t.seq_len, rank=ctx.rank,
+                       world_size=ctx.world_size, seed=t.seed, val_fraction=t.val_fraction,
+                       val_docs=t.val_docs, dataset_config=t.dataset_config,
+                       retries=t.data_retries, backoff_s=t.data_backoff_s)
+    train_stream = build_stream(t.data, "train", **stream_args)
+    val_stream = build_stream(t.data, "val", **stream_args)
 
     torch.manual_seed(t.seed)
     model = LanguageModel(config.model).to(device)
+    model.checkpoint_blocks = t.activation_checkpointing
+    flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
+    bf16 = t.autocast and device.type == "cuda"
+    model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile)
     optimizer = build_optimizer(model, t)
-    start = restore(load_checkpoint(run_dir), model, optimizer, config) if resume else 0
+    start = 0
+    if resume:
+        start, data_state = load_checkpoint(latest_checkpoint(run_dir), model, optimizer, config,
+                                            ctx)
+        train_stream.load_state_dict(data_state)
     if start > t.max_steps:
         raise ValueError(f"the checkpoint is at step {start}, past max_steps={t.max_steps}")
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    if ctx.is_main:
+        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
-    print(f"{model.num_parameters():,} parameters ({config.model.attention} attention) on "
-          f"{device} with {torch.get_num_threads()} threads; {tokens_per_step:,} tokens/step; "
-          f"steps {start} -> {t.max_steps}; run_dir {run_dir}", flush=True)
-    metrics = MetricsLog(run_dir, start)
-    progress = Progress(start, t.max_steps)
+    peak = peak_flops(device)
+    log = print if ctx.is_main else (lambda *args, **kwargs: None)
+    log(f"{unwrap(model).num_parameters():,} parameters ({config.model.attention} attention) on "
+        f"{ctx.world_size} x {device.type} ({t.parallel}) with {torch.get_num_threads()} "
+        f"threads; {tokens_per_step:,} tokens/step; steps {start} -> {t.max_steps}; "
+        f"run_dir {run_dir}", flush=True)
+    metrics = MetricsLog(run_dir, start, tensorboard=t.tensorboard and ctx.is_main,
+                         wandb_project=t.wandb_project if ctx.is_main else None,
+                         wandb_config=config.to_dict()) if ctx.is_main else None
+    progress = Progress(start, t.max_steps) if ctx.is_main else None
     throughput = Throughput(tokens_per_step)
+    heartbeat = Heartbeat(run_dir, ctx.rank)
+    watchdog = (Watchdog(run_dir, ctx.rank, t.watchdog_timeout_s,
+                         first_timeout_s=t.watchdog_first_timeout_s)
+                if t.watchdog_timeout_s is not None else None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     began = time.perf_counter()
     loss = None
-    for step in range(start + 1, t.max_steps + 1):
-        lr = set_learning_rate(optimizer, step, t)
-        micro = ((step - 1) * t.grad_accum + i for i in range(t.grad_accum))
-        loss, grad_norm = train_step(model, optimizer, (train_batches.batch(i) for i in micro),
-                                     device, t)
-        throughput.step()
-        if step % t.log_interval == 0 or step == t.max_steps:
-            record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens_per_s": throughput.read(),
-                      "elapsed_s": time.perf_counter() - began}
-            metrics.log(record)
-            progress.update(step, summarize(record))
-        if step % t.eval_interval == 0 and step < t.max_steps:
-            val_loss = evaluate(model, val_batches, t.eval_steps, device, t.autocast)
-            metrics.log({"step": step, "val_loss": val_loss})
-            progress.write(f"step {step}: val loss {val_loss:.4f}")
-            throughput.restart()
-        if step % t.checkpoint_interval == 0 or step == t.max_steps:
-            save_checkpoint(run_dir, step, model, optimizer, config)
-            throughput.restart()
-    progress.close()
-
-    val_loss = evaluate(model, val_batches, t.eval_steps, device, t.autocast)
-    metrics.log({"step": t.max_steps, "val_loss": val_loss,
-                 "elapsed_s": time.perf_counter() - began})
-    sample = generate_sample(model, t, device)
-    print(f"\n{sample}\n\nfinal val loss {val_loss:.4f} nats/byte "
-          f"({val_loss / math.log(2):.3f} bits/byte) after {t.max_steps} steps", flush=True)
+    diverged = torch.zeros((), dtype=torch.bool, device=device)  # any bad step since the check
+    with watchdog if watchdog is not None else nullcontext():
+        for step in range(start + 1, t.max_steps + 1):
+            lr = set_learning_rate(optimizer, step, t)
+            micro = (train_stream.next_batch() for _ in range(t.grad_accum))
+            local_loss, grad_norm = train_step(model, optimizer, micro, device, t)
+            loss = all_reduce_mean(local_loss, ctx)
+            diverged |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+            throughput.step()
+            heartbeat.beat(step)
+            checkpoint_due = step % t.checkpoint_interval == 0 or step == t.max_steps
+            if step % t.log_interval == 0 or checkpoint_due:
+                check_finite(diverged, step)  # before any checkpoint: never save a bad model
+            if step % t.log_interval == 0 or step == t.max_steps:
+                record = step_record(step, loss, grad_norm, lr, throughput.read(),
+                                     time.perf_counter() - began, flops_per_token, peak, ctx,
+                                     device)
+                if ctx.is_main:
+                    metrics.log(record)
+                    progress.update(step, summarize(record))
+            if step % t.eval_interval == 0 and step < t.max_steps:
+                val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx)
+                if ctx.is_main:
+                    metrics.log({"step": step, "val_loss": val_loss})
+                    progress.write(f"step {step}: val loss {val_loss:.4f}")
+                throughput.restart()
+            if checkpoint_due:
+                save_checkpoint(run_dir, step, model, optimizer, config,
+                                train_stream.state_dict(), ctx, t.keep_checkpoints)
+                throughput.restart()
+            if watchdog is not None:
+                watchdog.step_done(step)
+        if progress is not None:
+            progress.close()
+        val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx)
+    sample = ""
+    if t.sample_tokens and tokenizer_loaded(tokenizer):  # every rank: FSDP gathers weights
+        sample = generate_sample(unwrap(model), tokenizer, t, device)
+    if ctx.is_main:
+        metrics.log({"step": t.max_steps, "val_loss": val_loss,
+                     "elapsed_s": time.perf_counter() - began})
+        metrics.close()
+        log(f"\n{sample}\n\nfinal val loss {val_loss:.4f} nats/token "
+            f"({val_loss / math.log(2):.3f} bits/token) after {t.max_steps} steps", flush=True)
+    barrier(ctx)
     train_loss = None if loss is None else loss.item()
     return TrainResult(t.max_steps, train_loss, val_loss, run_dir, sample)
 
 
+def check_finite(diverged: torch.Tensor, step: int) -> None:
+    """Raise on every rank together (the flag comes from all-reduced values)."""
+    if diverged.item():
+        raise TrainingDiverged(f"a loss or gradient norm became NaN/inf at or before step "
+                               f"{step}; stopped without saving (the last checkpoint is intact)")
+
+
+def step_record(step, loss, grad_norm, lr, tokens_per_s, elapsed, flops_per_token, peak,
+                ctx: DistContext, device) -> dict:
+    world_peak = None if peak is None else peak * ctx.world_size
+    record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+              "tokens_per_s": tokens_per_s, "elapsed_s": elapsed,
+              **flops_metrics(tokens_per_s, flops_per_token, world_peak)}
+    if device.type == "cuda":
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return record
+
+
+def load_tokenizer(t: TrainConfig) -> Tokenizer | type:
+    """The tokenizer; synthetic data without a sample needs only the vocabulary size, which
+    the tokenizer's class carries (so gpt2's files need not be present)."""
+    if t.data == "synthetic" and t.sample_tokens == 0:
+        return TOKENIZERS[t.tokenizer]
+    return get_tokenizer(t.tokenizer)
+
+
+def tokenizer_loaded(tokenizer) -> bool:
+    return not isinstance(tokenizer, type)
+
+
 def summarize(record: dict) -> str:
-    return (f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad {record['grad_norm']:.2f}"
-            f" | {record['tokens_per_s']:,.0f} tok/s")
+    text = (f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad {record['grad_norm']:.2f}"
+            f" | {record['tokens_per_s']:,.0f} tok/s | {record['tflops_per_s']:.1f} TFLOP/s")
+    if "mfu" in record:
+        text += f" | MFU {record['mfu']:.1%}"
+    if "peak_mem_gb" in record:
+        text += f" | {record['peak_mem_gb']:.1f} GB"
+    return text
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,19 +226,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool = False) -> Path:
-    """Create ``run_dir``. A fresh run never silently replaces an earlier run's checkpoint."""
-    checkpoint = run_dir / CHECKPOINT
-    if resume and not checkpoint.is_file():
-        raise RunDirError(f"no checkpoint to resume from in {run_dir}")
-    if not resume and checkpoint.is_file():
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool = False,
+                    ctx: DistContext | None = None) -> Path:
+    """Create ``run_dir``. A fresh run never silently replaces an earlier run's checkpoints."""
+    has_checkpoint = bool(checkpoint_dirs(run_dir))
+    if resume and not has_checkpoint:
+        raise RunDirError(f"no checkpoint to resume from in {run_dir / CHECKPOINTS}")
+    if not resume and has_checkpoint:
         if not overwrite:
             raise RunDirError(
                 f"{run_dir} already holds a run: pass --resume to continue it, --overwrite to "
                 f"start over, or run_dir=... for a new directory")
-        print(f"{run_dir} holds an earlier run: starting over (--overwrite)")
-        checkpoint.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+        if ctx is None or ctx.is_main:
+            print(f"{run_dir} holds an earlier run: starting over (--overwrite)")
+            shutil.rmtree(run_dir / CHECKPOINTS)
+    if ctx is None or ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx is not None:
+        barrier(ctx)
     return run_dir
 
 
@@ -154,62 +280,78 @@ def autocast(device: torch.device, enabled: bool) -> torch.autocast:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                t: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro-batches.
+    """One optimizer step over ``grad_accum`` micro-batches; gradients are reduced across
+    ranks only on the last one.
 
-    Returns (mean loss, gradient norm before clipping) as device tensors (no host sync).
+    Returns (this rank's mean loss, global gradient norm before clipping) as device tensors
+    (no host sync).
     """
     total = torch.zeros((), device=device)
-    for x, y in batches:
-        with autocast(device, t.autocast):
-            loss = model(x.to(device), y.to(device)) / t.grad_accum
-        loss.backward()
+    for i, (x, y) in enumerate(batches):
+        with gradient_sync(model, enabled=i == t.grad_accum - 1):
+            with autocast(device, t.autocast):
+                loss = model(x.to(device), y.to(device)) / t.grad_accum
+            loss.backward()
         total += loss.detach()
     max_norm = math.inf if t.grad_clip is None else t.grad_clip
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: BatchSampler, num_batches: int, device: torch.device,
-             use_autocast: bool) -> float:
-    """Mean loss (nats per byte) over the first ``num_batches`` batches of ``batches``."""
+def evaluate(model: nn.Module, stream: TokenStream, num_batches: int, device: torch.device,
+             use_autocast: bool, ctx: DistContext) -> float:
+    """Mean loss (nats per token) over the first ``num_batches`` batches of ``stream``, averaged
+    over ranks (every evaluation reads the same rows)."""
     model.eval()
+    stream.reset()
     losses = []
-    for i in range(num_batches):
-        x, y = batches.batch(i)
+    for _ in range(num_batches):
+        x, y = stream.next_batch()
         with autocast(device, use_autocast):
             losses.append(model(x.to(device), y.to(device)))
     model.train()
-    return torch.stack(losses).mean().item()
+    return all_reduce_mean(torch.stack(losses).mean(), ctx).item()
 
 
 @torch.no_grad()
-def generate_sample(model: LanguageModel, t: TrainConfig, device: torch.device) -> str:
-    """``t.sample_prompt`` followed by ``t.sample_tokens`` sampled bytes, decoded."""
+def generate_sample(model: LanguageModel, tokenizer: Tokenizer, t: TrainConfig,
+                    device: torch.device) -> str:
+    """``t.sample_prompt`` followed by ``t.sample_tokens`` sampled tokens, decoded."""
     model.eval()
-    prompt = encode(t.sample_prompt).to(device)[None]  # [1, P]
+    prompt = torch.tensor(tokenizer.encode(t.sample_prompt), device=device)[None]  # [1, P]
     generator = torch.Generator(device).manual_seed(t.seed)
     with autocast(device, t.autocast):
         tokens = model.generate(prompt, t.sample_tokens, temperature=t.sample_temperature,
                                 generator=generator)
     model.train()
-    return decode(tokens[0])
+    return tokenizer.decode(tokens[0])
 
 
-def sample_checkpoint(run_dir: Path, prompt: str | None = None, num_tokens: int | None = None,
+def sample_checkpoint(path: Path, prompt: str | None = None, num_tokens: int | None = None,
                       temperature: float | None = None, device: str = "auto") -> str:
-    """A sample from the model saved in ``run_dir`` (settings default to the run's own)."""
-    state = load_checkpoint(run_dir)
-    config = RunConfig.from_dict(state["config"])
+    """A sample from a run directory's newest checkpoint or from an exported model file
+    (settings default to the run's own)."""
+    path = Path(path)
+    if path.is_file():
+        config, weights, _ = load_exported(path)
+    else:
+        checkpoint = latest_checkpoint(path)
+        config, weights = RunConfig.from_dict(read_trainer_state(checkpoint)["config"]), None
     overrides = {"sample_prompt": prompt, "sample_tokens": num_tokens,
                  "sample_temperature": temperature}
     t = replace(config.train, **{k: v for k, v in overrides.items() if v is not None})
     target = resolve_device(device)
-    model = LanguageModel(config.model).to(target)
-    model.load_state_dict(state["model"])
-    return generate_sample(model, t, target)
+    model = LanguageModel(config.model)
+    if weights is None:
+        load_model_weights(checkpoint, model)
+    else:
+        model.load_state_dict(weights)
+    return generate_sample(model.to(target), get_tokenizer(t.tokenizer), t, target)
 
 
 class Throughput:

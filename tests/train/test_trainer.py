@@ -9,7 +9,12 @@ import torch
 import nsa.cli
 from nsa.models import LanguageModel
 from nsa.train import build_config, sample_checkpoint, train
-from nsa.train.checkpoint import RunDirError, load_checkpoint
+from nsa.train.checkpoint import (
+    RunDirError,
+    latest_checkpoint,
+    load_model_weights,
+    read_trainer_state,
+)
 from nsa.train.data import BatchSampler
 from nsa.train.metrics import METRICS, MetricsLog, Progress, read_metrics
 from nsa.train.trainer import build_optimizer, learning_rate, train_step
@@ -17,6 +22,16 @@ from nsa.train.trainer import build_optimizer, learning_rate, train_step
 
 def losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
+
+
+def saved_step(run_dir):
+    return read_trainer_state(latest_checkpoint(run_dir))["step"]
+
+
+def saved_weights(run_dir, config):
+    model = LanguageModel(config.model)
+    load_model_weights(latest_checkpoint(run_dir), model)
+    return model.state_dict()
 
 
 def val_losses(run_dir):
@@ -27,7 +42,7 @@ def test_training_writes_checkpoint_metrics_and_sample(tiny_overrides, capsys):
     result = train(build_config("tiny", [*tiny_overrides, "max_steps=3", "eval_interval=2"]))
     assert result.steps == 3 and result.sample.startswith("ROMEO:")
     assert math.isfinite(result.train_loss) and math.isfinite(result.val_loss)
-    assert load_checkpoint(result.run_dir)["step"] == 3
+    assert saved_step(result.run_dir) == 3
     assert sorted(losses(result.run_dir)) == [1, 2, 3]
     (step_a, _), (step_b, final) = val_losses(result.run_dir)  # one mid-run, one at the end
     assert (step_a, step_b, final) == (2, 3, result.val_loss)
@@ -58,7 +73,7 @@ def test_resume_after_crash_matches_unbroken_run(tmp_path, tiny_overrides, monke
     monkeypatch.setattr(BatchSampler, "batch", crash_in_step_5)
     with pytest.raises(KeyboardInterrupt):
         train(crashed)
-    assert load_checkpoint(tmp_path / "crashed")["step"] == 3
+    assert saved_step(tmp_path / "crashed") == 3
     assert sorted(losses(tmp_path / "crashed")) == [1, 2, 3, 4]
     monkeypatch.undo()
 
@@ -66,9 +81,9 @@ def test_resume_after_crash_matches_unbroken_run(tmp_path, tiny_overrides, monke
     assert losses(resumed.run_dir) == losses(straight.run_dir)  # exactly, steps 1..6 once each
     assert val_losses(resumed.run_dir) == val_losses(straight.run_dir)
     assert resumed.sample == straight.sample
-    a, b = load_checkpoint(straight.run_dir), load_checkpoint(resumed.run_dir)
-    for name, value in a["model"].items():
-        assert torch.equal(b["model"][name], value), name
+    a, b = saved_weights(straight.run_dir, crashed), saved_weights(resumed.run_dir, crashed)
+    for name, value in a.items():
+        assert torch.equal(b[name], value), name
 
 
 def test_resume_extends_a_finished_run(tiny_overrides):
@@ -91,16 +106,17 @@ def test_resume_needs_a_checkpoint_before_max_steps(tiny_overrides):
 
 def test_fresh_run_refuses_to_replace_an_earlier_one_unless_asked(tiny_overrides, capsys):
     first = train(build_config("tiny", [*tiny_overrides, "max_steps=3"]))
-    kept = load_checkpoint(first.run_dir)["step"]
+    kept = saved_step(first.run_dir)
     with pytest.raises(RunDirError, match="--overwrite"):
         train(build_config("tiny", [*tiny_overrides, "max_steps=2"]))
-    assert load_checkpoint(first.run_dir)["step"] == kept
+    assert saved_step(first.run_dir) == kept
     again = train(build_config("tiny", [*tiny_overrides, "max_steps=2", "lr=1e-2"]),
                   overwrite=True)
     assert "starting over" in capsys.readouterr().out
     assert sorted(losses(again.run_dir)) == [1, 2]
     assert [step for step, _ in val_losses(again.run_dir)] == [2]
-    assert load_checkpoint(first.run_dir)["config"]["train"]["lr"] == 1e-2
+    config = read_trainer_state(latest_checkpoint(first.run_dir))["config"]
+    assert config["train"]["lr"] == 1e-2
 
 
 def test_learning_rate_schedule():
@@ -180,6 +196,11 @@ def test_cli_train_resume_and_sample(tiny_overrides, capsys):
     nsa.cli.main(["sample", "--run-dir", run_dir, "--prompt", "JULIET:", "--tokens", "5"])
     assert capsys.readouterr().out.startswith("JULIET:")
     assert sample_checkpoint(Path(run_dir), num_tokens=0) == "ROMEO:"
+    model_file = Path(run_dir) / "model.pt"
+    nsa.cli.main(["export", "--run-dir", run_dir, "--out", str(model_file)])
+    assert "wrote" in capsys.readouterr().out
+    assert sample_checkpoint(model_file, num_tokens=4) == sample_checkpoint(Path(run_dir),
+                                                                            num_tokens=4)
 
 
 @pytest.mark.parametrize("argv,message", [

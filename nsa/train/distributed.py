@@ -1,0 +1,121 @@
+"""torch.distributed for the trainer: the process group under torchrun, and the model wrappers.
+
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) is read once, in :func:`init_distributed`,
+before the model is built; a plain ``python`` run is a world of one with no process group.
+Every rank builds the same model and runs the same graph: nothing below branches on the rank.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PARALLEL = ("none", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(device_name: str) -> DistContext:
+    """Join torchrun's process group when launched by it (NCCL on CUDA, gloo on the CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(device_name)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(rank, world_size, local_rank, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def all_reduce_mean(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The mean of ``x`` over ranks (a new tensor; asynchronous on the device, no host sync)."""
+    x = x.detach().clone()
+    if ctx.distributed:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= ctx.world_size
+    return x
+
+
+def all_gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's ``obj``, in rank order (picklable objects)."""
+    if not ctx.distributed:
+        return [obj]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
+               compile_blocks: bool) -> nn.Module:
+    """Per-block torch.compile, then DDP or FSDP2 (``fully_shard`` per block, then the root).
+
+    FSDP2 keeps bf16 parameters for compute (``bf16``) and reduces gradients in float32.
+    """
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    if parallel == "ddp":
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                      reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The LanguageModel inside a DDP wrapper (FSDP2 shards in place, keeping the class)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch: reduce gradients only on the last one of an accumulation."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    return nullcontext()

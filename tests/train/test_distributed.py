@@ -1,0 +1,89 @@
+"""DDP and FSDP2 under torchrun with 2 CPU processes (gloo) against one process, resume at a
+different world size, and a diverging run stopping without saving."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nsa
+from nsa.train import build_config, train
+from nsa.train.checkpoint import latest_checkpoint, read_trainer_state
+from nsa.train.metrics import METRICS, read_metrics
+from nsa.train.trainer import TrainingDiverged
+
+REPO = Path(nsa.__file__).parents[1]
+# Two layers (FSDP shards each block and the root), global batch 4 = 2 ranks x 2 rows.
+RUN = ["--preset", "tiny", "dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=1",
+       "head_dim_k=16", "head_dim_v=16", "seq_len=32", "batch_size=4", "grad_accum=2",
+       "eval_steps=2", "eval_interval=2", "checkpoint_interval=2", "log_interval=1",
+       "sample_tokens=0", "num_threads=1"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
+
+
+def run_single(run_dir: Path, *overrides: str) -> dict[int, float]:
+    subprocess.run([sys.executable, "-m", "nsa.train", *RUN, f"run_dir={run_dir}", *overrides],
+                   check=True, cwd=REPO, capture_output=True, timeout=300)
+    return losses(run_dir)
+
+
+def run_two_ranks(run_dir: Path, *overrides: str) -> dict[int, float]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", "-m", "nsa.train", *RUN, f"run_dir={run_dir}",
+               *overrides]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    return run_dir, run_single(run_dir, "max_steps=6")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process_and_resume_on_one(tmp_path, single_run, parallel):
+    single_dir, single = single_run
+    two = run_two_ranks(tmp_path, f"parallel={parallel}", "max_steps=4")
+    assert sorted(two) == [1, 2, 3, 4]
+    for step, loss in two.items():
+        assert loss == pytest.approx(single[step], rel=1e-5, abs=1e-6), step
+    state = read_trainer_state(latest_checkpoint(tmp_path))
+    assert (state["step"], state["world_size"], len(state["data"])) == (4, 2, 2)
+
+    # The 2-rank checkpoint continues in one process, on the same batches.
+    resumed = subprocess.run(
+        [sys.executable, "-m", "nsa.train", *RUN, f"run_dir={tmp_path}", "max_steps=6",
+         "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(tmp_path)
+    for step in (5, 6):
+        assert after[step] == pytest.approx(single[step], rel=1e-4), step
+
+
+def test_a_diverging_run_stops_without_saving(tmp_path, monkeypatch, tiny_overrides):
+    from nsa.models import LanguageModel
+
+    config = build_config("tiny", [*tiny_overrides, "max_steps=6", "checkpoint_interval=2",
+                                   "log_interval=5"])
+    forward = LanguageModel.forward
+    calls = []
+
+    def nan_from_step_3(self, tokens, targets=None):
+        out = forward(self, tokens, targets)
+        if self.training and targets is not None:
+            calls.append(1)
+            if len(calls) >= 3:
+                return out * torch.nan
+        return out
+
+    monkeypatch.setattr(LanguageModel, "forward", nan_from_step_3)
+    with pytest.raises(TrainingDiverged, match="step 4"):
+        train(config)
+    assert read_trainer_state(latest_checkpoint(Path(config.train.run_dir)))["step"] == 2
