@@ -288,9 +288,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
+        x, y = to_device(x, device), to_device(y, device)
         with gradient_sync(model, enabled=i == t.grad_accum - 1):
             with autocast(device, t.autocast):
-                loss = model(x.to(device), y.to(device)) / t.grad_accum
+                loss = model(x, y) / t.grad_accum
             loss.backward()
         total += loss.detach()
     max_norm = math.inf if t.grad_clip is None else t.grad_clip
@@ -300,6 +301,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host batch -> device without blocking the host: a copy from pageable memory would wait
+    for the GPU to drain, and the host could no longer queue the next step's kernels early."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()

@@ -67,7 +67,7 @@ class KernelTables:
     tok_t_hi: torch.Tensor  # [T] last query (exclusive) whose window sees this token
     cmp_t_lo: torch.Tensor  # [Tc] first query that sees this compressed token
     cmp_t_hi: torch.Tensor  # [Tc] end (exclusive) of its sequence
-    tiles: dict = field(default_factory=dict)  # positions per tile -> tile_table's result
+    memo: dict = field(default_factory=dict)  # derived tables, built on first use
 
 
 def _i32(x: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,8 @@ def tile_table(tables: KernelTables, T: int, positions_per_tile: int):
     The count is bounded by cdiv(T, P) + N (a shape, known without a sync); unused tiles are
     empty (start == end).
     """
-    if positions_per_tile in tables.tiles:
-        return tables.tiles[positions_per_tile]
+    if ("tiles", positions_per_tile) in tables.memo:
+        return tables.memo["tiles", positions_per_tile]
     layout, P = tables.layout, positions_per_tile
     num_tiles = triton.cdiv(T, P) + layout.starts.numel()
     tiles_per_seq = (layout.ends - layout.starts + P - 1) // P
@@ -117,7 +117,7 @@ def tile_table(tables: KernelTables, T: int, positions_per_tile: int):
     end = torch.where(used, layout.ends[seq], start)
     tiles = (num_tiles, _i32(start), _i32(end), _i32(layout.starts[seq]),
              _i32(layout.cmp_starts[seq]))
-    tables.tiles[P] = tiles
+    tables.memo["tiles", P] = tiles
     return tiles
 
 
@@ -256,28 +256,40 @@ def selected_forward(q, k, v, idx, tables, params, scale):
     return o, lse
 
 
+def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
+    """Layout-only parts of the inverse index, built once per tables: the number of global
+    blocks (a host-known bound), each sequence's first global block, the token range of every
+    global block (blocks past the last one are empty), list ids of (b, h) and list boundaries."""
+    key = ("blocks", B, H)
+    if key not in tables.memo:
+        layout = tables.layout
+        device = layout.starts.device
+        T = layout.seq.numel()
+        blocks_per_seq = (layout.ends - layout.starts + params.sel_block - 1) // params.sel_block
+        block_first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+        num_global = triton.cdiv(T, params.sel_block) + layout.starts.numel()
+        block_seq, index, used = expand_counts(blocks_per_seq, num_global)
+        block_start = layout.starts[block_seq] + index * params.sel_block
+        block_end = torch.where(used, torch.minimum(block_start + params.sel_block,
+                                                    layout.ends[block_seq]), block_start)
+        bh = (torch.arange(B, device=device).view(B, 1, 1, 1) * H
+              + torch.arange(H, device=device).view(1, 1, H, 1))  # [B, 1, H, 1]
+        seq_first_block = block_first[layout.seq].view(1, T, 1, 1)
+        tables.memo[key] = (num_global, seq_first_block, _i32(block_start), _i32(block_end),
+                            bh * num_global, torch.arange(B * H * num_global + 1, device=device))
+    return tables.memo[key]
+
+
 def _inverse_index(idx, tables, params):
     """For each (b, h, global block): the positions that selected it, as CSR (offsets, pos)."""
     B, T, H, n = idx.shape
-    layout = tables.layout
-    blocks_per_seq = (layout.ends - layout.starts + params.sel_block - 1) // params.sel_block
-    block_first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-    num_global = triton.cdiv(T, params.sel_block) + layout.starts.numel()  # a host-known bound
-    gblock = block_first[layout.seq].view(1, T, 1, 1) + idx.long()  # [B, T, H, n]
-    bh = (torch.arange(B, device=idx.device).view(B, 1, 1, 1) * H
-          + torch.arange(H, device=idx.device).view(1, 1, H, 1))
-    list_id = torch.where(idx >= 0, bh * num_global + gblock, B * H * num_global)
+    num_global, seq_first_block, block_start, block_end, list_base, boundaries = (
+        _selection_blocks(tables, params, B, H))
+    list_id = torch.where(idx >= 0, list_base + seq_first_block + idx, B * H * num_global)
     order = torch.sort(list_id.flatten(), stable=True)
-    positions = torch.arange(T, device=idx.device).view(1, T, 1, 1).expand(B, T, H, n).flatten()
-    entry_pos = _i32(positions[order.indices])
-    boundaries = torch.arange(B * H * num_global + 1, device=idx.device)
+    entry_pos = _i32(order.indices // (H * n) % T)  # flat index (b, t, h, slot) -> t
     offsets = _i32(torch.searchsorted(order.values, boundaries))
-    # Token range of every global block (blocks past the last one are empty).
-    block_seq, index, used = expand_counts(blocks_per_seq, num_global)
-    block_start = layout.starts[block_seq] + index * params.sel_block
-    block_end = torch.where(used, torch.minimum(block_start + params.sel_block,
-                                                layout.ends[block_seq]), block_start)
-    return num_global, _i32(block_start), _i32(block_end), offsets, entry_pos
+    return num_global, block_start, block_end, offsets, entry_pos
 
 
 def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
@@ -406,8 +418,8 @@ def attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
     inputs = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
-    return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc,
-                          lse_win, params, scale, cu_seqlens))
+    return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp,
+                          lse_slc, lse_win, params, scale, cu_seqlens))
 
 
 @attention_bwd_op.register_fake

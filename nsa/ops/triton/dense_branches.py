@@ -112,7 +112,7 @@ def _branch_bwd_dq_kernel(
     b, h, hq, row_ok, lo_r, hi_r, lo, hi, t64 = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
@@ -169,7 +169,7 @@ def _branch_bwd_dkdv_kernel(
                                     CMP_STRIDE)
         t64 = t.to(tl.int64)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]

@@ -75,7 +75,7 @@ def _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G: tl.constexpr):
 
 @triton.jit
 def _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Key positions of ``block`` and the [R, BLOCK_S] mask of the rows that selected it (causal)."""
+    """Key positions of ``block``; [R, BLOCK_S] mask of the rows that selected it (causal)."""
     s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
     k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
     row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
@@ -148,8 +148,12 @@ def _select_kernel(
         bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
         key = (bits.to(tl.int64) << 32) | (2147483647 - block[None, :]).to(tl.int64)
         key = tl.where(candidate & row_ok[:, None], key, -1)
-        merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
-        best = tl.topk(merged, NPAD)
+        # Merge only when some block beats a row's current n-th best (keys are unique, so
+        # otherwise the top-n cannot change): after the first chunks most chunks skip the sort.
+        entering = tl.sum(tl.where(key > tl.min(best, axis=1)[:, None], 1, 0))
+        if entering > 0:
+            merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
+            best = tl.topk(merged, NPAD)
     slot = tl.arange(0, NPAD)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
     blocks = tl.where(chosen, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), 2147483647)
@@ -186,8 +190,10 @@ def _selected_fwd_kernel(
             if first_visit:
                 s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
                                                BLOCK_S)
-                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
+                              BLOCK_DK)
+                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
+                              BLOCK_DV)
                 scores = dot(q, tl.trans(k), IEEE)
                 scores = tl.where(valid, scores * scale_log2, float("-inf"))
                 m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
@@ -212,7 +218,7 @@ def _selected_bwd_dq_kernel(
         BLOCK_R, NUM_SELECTED, NPAD)
     t64 = t.to(tl.int64)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
@@ -223,8 +229,10 @@ def _selected_bwd_dq_kernel(
             if first_visit:
                 s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
                                                BLOCK_S)
-                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
+                              BLOCK_DK)
+                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
+                              BLOCK_DV)
                 p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
                 acc += dot(ds.to(k.dtype), k, IEEE)
     add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
@@ -270,7 +278,7 @@ def _selected_bwd_dkdv_kernel(
         hq = h * G + r % G
         t64 = t.to(tl.int64)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV).to(q.dtype)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
