@@ -148,12 +148,8 @@ def _select_kernel(
         bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
         key = (bits.to(tl.int64) << 32) | (2147483647 - block[None, :]).to(tl.int64)
         key = tl.where(candidate & row_ok[:, None], key, -1)
-        # Merge only when some block beats a row's current n-th best (keys are unique, so
-        # otherwise the top-n cannot change): after the first chunks most chunks skip the sort.
-        entering = tl.sum(tl.where(key > tl.min(best, axis=1)[:, None], 1, 0))
-        if entering > 0:
-            merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
-            best = tl.topk(merged, NPAD)
+        merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
+        best = tl.topk(merged, NPAD)
     slot = tl.arange(0, NPAD)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
     blocks = tl.where(chosen, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), 2147483647)
