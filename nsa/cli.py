@@ -1,4 +1,4 @@
-"""Command line: ``nsa train``, ``nsa sample`` and ``nsa export``."""
+"""Command line: ``nsa train``, ``nsa sample``, ``nsa export`` and ``nsa generate``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
     export_cmd.add_argument("--run-dir", type=Path, required=True)
     export_cmd.add_argument("--out", type=Path, required=True)
     export_cmd.set_defaults(run=run_export)
+
+    gen = commands.add_parser(
+        "generate", help="stream text from a trained model (KV cache, CUDA graphs on a GPU)")
+    gen.add_argument("--model", type=Path, required=True,
+                     help="a run directory or a file written by 'nsa export'")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="default: the run's sample_prompt")
+    prompt.add_argument("--prompt-file", type=Path, default=None)
+    gen.add_argument("--max-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="auto", choices=DEVICES)
+    gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                     help="auto: bfloat16 on CUDA, float32 on the CPU")
+    gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                     help="replay each decode step as a CUDA graph (CUDA only)")
+    gen.set_defaults(run=run_generate)
     return parser
 
 
@@ -71,6 +90,57 @@ def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     except RunDirError as error:
         parser.error(str(error))
     print(f"wrote {export_model(checkpoint, args.out)} from {checkpoint}")
+
+
+def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import sys
+    import time
+
+    import torch
+
+    from nsa.models.decoding import stream_tokens
+    from nsa.train.checkpoint import load_model
+    from nsa.train.tokenizer import get_tokenizer
+    from nsa.train.trainer import resolve_device
+
+    for name in ("max_tokens", "top_k"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    try:
+        config, model = load_model(args.model)
+    except RunDirError as error:
+        parser.error(str(error))
+    device = resolve_device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = model.to(device=device, dtype=dtype).eval()
+    tokenizer = get_tokenizer(config.train.tokenizer)
+    text = (args.prompt_file.read_text() if args.prompt_file is not None
+            else args.prompt if args.prompt is not None else config.train.sample_prompt)
+    prompt = torch.tensor([tokenizer.encode(text)], device=device)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    sys.stdout.write(text)
+    ids, shown = [], ""
+    began = time.perf_counter()
+    try:
+        for token in stream_tokens(model, prompt, args.max_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, generator=generator,
+                                   cuda_graph=args.cuda_graphs and device.type == "cuda"):
+            ids.append(int(token[0]))
+            decoded = tokenizer.decode(ids)  # whole text: multi-byte characters come out whole
+            sys.stdout.write(decoded[len(shown):])
+            sys.stdout.flush()
+            shown = decoded
+    except ValueError as error:
+        parser.error(str(error))
+    elapsed = time.perf_counter() - began
+    print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:,.1f} tokens/s]",
+          file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.rope import apply_rope, rope_frequencies
-from nsa.ops import NSAParams, nsa_attention
+from nsa.ops import NSAParams, compressed_length, nsa_attention
+from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
 
 KV_SHARING = ("independent", "shared")
@@ -112,27 +114,113 @@ class NSAttention(nn.Module):
             return one_hot.expand(B, T, c.num_heads, 3)
         return torch.sigmoid(self.gate_proj(x)).view(B, T, c.num_heads, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, dim] at ``positions`` ([T] or [B, T]) -> q [B, T, HQ, Dk]; the compressor's
+        un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D]."""
         c = self.config
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k_cmp_src, v_cmp_src, k_slc, v_slc, k_win, v_win = self._kv(x)
-        k_cmp = self.compress_k(k_cmp_src)  # [B, Tc, H, Dk]
-        v_cmp = self.compress_v(v_cmp_src)  # [B, Tc, H, Dv]
-        centres = torch.arange(k_cmp.shape[1], device=x.device) * c.cmp_stride + (c.cmp_block - 1) / 2
-        k_cmp = apply_rope(k_cmp, centres, self.inv_freq)
+        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
+                       self.inv_freq)
+        k_src, v_src, k_slc, v_slc, k_win, v_win = self._kv(x)
         k_slc = apply_rope(k_slc, positions, self.inv_freq)
         k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.inv_freq)
-        p = c.nsa_params
-        out = nsa_attention(
-            q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win=k_win, v_win=v_win,
+        return q, k_src, v_src, k_slc, v_slc, k_win, v_win
+
+    def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, first: torch.Tensor):
+        """Compressed tokens of [B, T, H, D] sources; the first one's index is ``first`` ([] or
+        [B, 1]); keys rotated at the centre of the tokens they summarise."""
+        c = self.config
+        k_cmp = self.compress_k(k_src)  # [B, Tc, H, Dk]
+        v_cmp = self.compress_v(v_src)  # [B, Tc, H, Dv]
+        index = first + torch.arange(k_cmp.shape[1], device=k_src.device)
+        centres = index * c.cmp_stride + (c.cmp_block - 1) / 2
+        return apply_rope(k_cmp, centres, self.inv_freq), v_cmp
+
+    def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win) -> torch.Tensor:
+        c, p = self.config, self.config.nsa_params
+        return nsa_attention(
+            q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
             cmp_block=p.cmp_block, cmp_stride=p.cmp_stride, sel_block=p.sel_block,
             num_selected=p.num_selected, window=p.window, num_init=p.num_init,
             num_local=p.num_local, backend=c.backend,
         )  # [B, T, HQ, Dv]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        positions = torch.arange(T, device=x.device)
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
+        k_cmp, v_cmp = self._compress(k_src, v_src, torch.zeros((), device=x.device))
+        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win)
         return self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
+
+    # Decoding ---------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int, device, dtype) -> NSACache:
+        c = self.config
+        zeros = lambda n, d: torch.zeros(batch, n, c.num_kv_heads, d, device=device,  # noqa
+                                         dtype=dtype)
+        ring = self.num_kv_sets == 3
+        num_cmp = compressed_length(capacity, c.cmp_block, c.cmp_stride)
+        return NSACache(
+            k=zeros(capacity, c.head_dim_k), v=zeros(capacity, c.head_dim_v),
+            k_win=zeros(c.window, c.head_dim_k) if ring else None,
+            v_win=zeros(c.window, c.head_dim_v) if ring else None,
+            src_k=zeros(c.cmp_block, c.head_dim_k), src_v=zeros(c.cmp_block, c.head_dim_v),
+            k_cmp=zeros(num_cmp, c.head_dim_k), v_cmp=zeros(num_cmp, c.head_dim_v))
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: NSACache) -> torch.Tensor:
+        """forward(x) for [B, P, dim] prompts, right-padded (sequence b is ``lengths[b]``
+        long), and fill ``cache`` with their first lengths[b] positions."""
+        c = self.config
+        B, P, _ = x.shape
+        positions = torch.arange(P, device=x.device)
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
+        k_cmp, v_cmp = self._compress(k_src, v_src, torch.zeros((), device=x.device))
+        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win)
+        # Later positions of shorter prompts are overwritten by their decode steps before they
+        # are read (and compressed tokens past a prompt are invisible until recomputed).
+        cache.k[:, :P] = k_slc
+        cache.v[:, :P] = v_slc
+        cache.k_cmp[:, :k_cmp.shape[1]] = k_cmp
+        cache.v_cmp[:, :v_cmp.shape[1]] = v_cmp
+        if cache.k_win is not None:
+            cache.k_win.copy_(ring_from_prefix(k_win, lengths, c.window))
+            cache.v_win.copy_(ring_from_prefix(v_win, lengths, c.window))
+        cache.src_k.copy_(ring_from_prefix(k_src, lengths, c.cmp_block))
+        cache.src_v.copy_(ring_from_prefix(v_src, lengths, c.cmp_block))
+        return self.o_proj(out.reshape(B, P, c.num_heads * c.head_dim_v))
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache) -> torch.Tensor:
+        """One new token per sequence: x [B, 1, dim] at positions ``pos`` [B] -> [B, 1, dim].
+        Appends its keys/values (and a compressed token when one completes) to ``cache``."""
+        c = self.config
+        B = x.shape[0]
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, pos[:, None])
+        write_at(cache.k, pos, k_slc[:, 0])
+        write_at(cache.v, pos, v_slc[:, 0])
+        if cache.k_win is not None:
+            write_at(cache.k_win, pos % c.window, k_win[:, 0])
+            write_at(cache.v_win, pos % c.window, v_win[:, 0])
+        write_at(cache.src_k, pos % c.cmp_block, k_src[:, 0])
+        write_at(cache.src_v, pos % c.cmp_block, v_src[:, 0])
+        num_cmp = cache.k_cmp.shape[1]
+        if num_cmp:  # compressed token i completes when position i·d + l - 1 is appended
+            start = pos - c.cmp_block + 1
+            complete = (start >= 0) & (start % c.cmp_stride == 0)
+            index = (start // c.cmp_stride).clamp(0, num_cmp - 1)  # [B]
+            slots = (index[:, None] * c.cmp_stride
+                     + torch.arange(c.cmp_block, device=x.device)) % c.cmp_block  # [B, l]
+            gather = lambda ring: torch.gather(  # noqa: E731
+                ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
+            k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v),
+                                          index[:, None])
+            write_at(cache.k_cmp, index, k_new[:, 0], complete)
+            write_at(cache.v_cmp, index, v_new[:, 0], complete)
+        out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
+                         self.gates(x)[:, 0], pos, c.nsa_params, k_win=cache.k_win,
+                         v_win=cache.v_win, window_ring=cache.k_win is not None)
+        return self.o_proj(out.reshape(B, 1, c.num_heads * c.head_dim_v))
 
 
 class DenseAttention(nn.Module):
@@ -146,16 +234,45 @@ class DenseAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
-        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions, self.inv_freq)
+        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
+                       self.inv_freq)
         kv = self.kv_proj(x).view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
-        k = apply_rope(k, positions, self.inv_freq)
+        return q, apply_rope(k, positions, self.inv_freq), v
+
+    def _attend(self, q, k, v, **mask) -> torch.Tensor:
+        """SDPA over [B, T, heads, D] tensors -> [B, T, HQ * Dv]."""
+        c = self.config
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=c.num_heads != c.num_kv_heads,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            enable_gqa=c.num_heads != c.num_kv_heads, **mask,
         )  # [B, HQ, T, Dv]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim_v))
+        return out.transpose(1, 2).flatten(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
+        return self.o_proj(self._attend(q, k, v, is_causal=True))
+
+    def new_cache(self, batch: int, capacity: int, device, dtype) -> DenseCache:
+        c = self.config
+        shape = (batch, capacity, c.num_kv_heads)
+        return DenseCache(torch.zeros(*shape, c.head_dim_k, device=device, dtype=dtype),
+                          torch.zeros(*shape, c.head_dim_v, device=device, dtype=dtype))
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: DenseCache) -> torch.Tensor:
+        q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
+        cache.k[:, :x.shape[1]] = k
+        cache.v[:, :x.shape[1]] = v
+        return self.o_proj(self._attend(q, k, v, is_causal=True))
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseCache) -> torch.Tensor:
+        q, k, v = self._project(x, pos[:, None])
+        write_at(cache.k, pos, k[:, 0])
+        write_at(cache.v, pos, v[:, 0])
+        visible = torch.arange(cache.k.shape[1], device=x.device) <= pos[:, None]  # [B, S]
+        out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),
+                           attn_mask=visible[:, None, None, :])
+        return self.o_proj(out)

@@ -12,10 +12,13 @@ def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] (float ok)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]  # [T, D/2]
-    cos = angles.cos()[None, :, None, :]  # [1, T, 1, D/2]
-    sin = angles.sin()[None, :, None, :]
+    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] or
+    [B, T] (one row per sequence; float ok)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)  # [(B,) T, D/2]
+    if angles.dim() == 2:
+        angles = angles[None]
+    cos = angles.cos()[:, :, None, :]  # [B or 1, T, 1, D/2]
+    sin = angles.sin()[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,23 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
+        x = x + self.attn.prefill(self.attn_norm(x), lengths, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), pos, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class ModelCache:
+    """Decoding state of a model: per-sequence lengths [B] (int64, on the device) and one
+    cache per layer. ``decode_step`` advances ``lengths`` in place."""
+
+    lengths: torch.Tensor
+    layers: list
 
 
 class LanguageModel(nn.Module):
@@ -80,16 +98,81 @@ class LanguageModel(nn.Module):
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    # Decoding -----------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int | None = None, device=None,
+                  dtype=None) -> ModelCache:
+        """Empty caches for ``batch`` sequences of up to ``capacity`` (default max_seq_len)
+        tokens, in the dtype of the model's weights unless given."""
+        capacity = capacity or self.config.max_seq_len
+        device = device or self.embed.weight.device
+        dtype = dtype or self.embed.weight.dtype
+        layers = [block.attn.new_cache(batch, capacity, device, dtype) for block in self.blocks]
+        return ModelCache(torch.zeros(batch, dtype=torch.long, device=device), layers)
+
+    def prefill(self, tokens: torch.Tensor, cache: ModelCache,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Run prompts [B, P] (right-padded; sequence b is ``lengths[b]`` long, default P) and
+        fill ``cache``. Returns the logits [B, vocab] at each sequence's last prompt token."""
+        B, P = tokens.shape
+        if P > cache.layers[0].k.shape[1]:
+            raise ValueError(f"prompt of {P} tokens exceeds the cache capacity "
+                             f"{cache.layers[0].k.shape[1]}")
+        if lengths is None:
+            lengths = torch.full((B,), P, dtype=torch.long, device=tokens.device)
+        x = self.embed(tokens)
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block.prefill(x, lengths, layer_cache)
+        cache.lengths.copy_(lengths)
+        last = x[torch.arange(B, device=x.device), lengths - 1]  # [B, dim]
+        return self.head(self.norm(last))
+
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """One token per sequence, tokens [B] at positions ``cache.lengths`` -> logits
+        [B, vocab]. No host sync and static shapes (capturable in a CUDA graph); the caller
+        keeps lengths below the cache capacity."""
+        pos = cache.lengths
+        x = self.embed(tokens)[:, None]  # [B, 1, dim]
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block.decode(x, pos, layer_cache)
+        cache.lengths += 1
+        return self.head(self.norm(x[:, 0]))
+
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after ``tokens`` [B, T] by re-running the whole context."""
+                 top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``tokens`` [B, T]: prefill a KV cache, then one
+        decode step per token. Past max_seq_len the model re-runs its last max_seq_len tokens
+        for every new one (positions cannot grow beyond what it was trained on)."""
+        B, T = tokens.shape
+        if T + max_new_tokens <= self.config.max_seq_len:
+            cache = self.new_cache(B, T + max_new_tokens)
+            logits = self.prefill(tokens, cache)
+            for _ in range(max_new_tokens):
+                next_token = sample_token(logits, temperature, top_k, top_p, generator)
+                tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                logits = self.decode_step(next_token, cache)
+            return tokens
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_seq_len:]
-            logits = self(context)[:, -1].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            tokens = torch.cat([tokens, next_token], dim=1)
+            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1]
+            next_token = sample_token(logits, temperature, top_k, top_p, generator)
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         return tokens
+
+
+def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> [B] sampled ids: temperature, then top-k, then top-p (nucleus)."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        outside = probs.cumsum(-1) - probs > top_p  # keeps the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]

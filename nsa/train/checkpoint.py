@@ -179,6 +179,23 @@ def load_exported(path: Path) -> tuple[RunConfig, dict, int]:
     return RunConfig.from_dict(state["config"]), state["model"], state["step"]
 
 
+def load_model(path: Path):
+    """(config, model on the CPU) from a run directory's newest checkpoint or an exported file."""
+    from nsa.models import LanguageModel
+
+    path = Path(path)
+    if path.is_file():
+        config, weights, _ = load_exported(path)
+        model = LanguageModel(config.model)
+        model.load_state_dict(weights)
+        return config, model
+    checkpoint = latest_checkpoint(path)
+    config = RunConfig.from_dict(read_trainer_state(checkpoint)["config"])
+    model = LanguageModel(config.model)
+    load_model_weights(checkpoint, model)
+    return config, model
+
+
 def config_diff(old, new) -> str:
     """'name: old -> new' for every field where two configs of one class differ."""
     changed = [f"{k}: {v!r} -> {new.__dict__[k]!r}" for k, v in old.__dict__.items()

@@ -26,9 +26,7 @@ from nsa.train.checkpoint import (
     checkpoint_dirs,
     latest_checkpoint,
     load_checkpoint,
-    load_exported,
-    load_model_weights,
-    read_trainer_state,
+    load_model,
     save_checkpoint,
 )
 from nsa.train.config import RunConfig, TrainConfig
@@ -345,21 +343,11 @@ def sample_checkpoint(path: Path, prompt: str | None = None, num_tokens: int | N
                       temperature: float | None = None, device: str = "auto") -> str:
     """A sample from a run directory's newest checkpoint or from an exported model file
     (settings default to the run's own)."""
-    path = Path(path)
-    if path.is_file():
-        config, weights, _ = load_exported(path)
-    else:
-        checkpoint = latest_checkpoint(path)
-        config, weights = RunConfig.from_dict(read_trainer_state(checkpoint)["config"]), None
+    config, model = load_model(path)
     overrides = {"sample_prompt": prompt, "sample_tokens": num_tokens,
                  "sample_temperature": temperature}
     t = replace(config.train, **{k: v for k, v in overrides.items() if v is not None})
     target = resolve_device(device)
-    model = LanguageModel(config.model)
-    if weights is None:
-        load_model_weights(checkpoint, model)
-    else:
-        model.load_state_dict(weights)
     return generate_sample(model.to(target), get_tokenizer(t.tokenizer), t, target)
 
 

@@ -1,0 +1,136 @@
+"""One decode step of NSA attention: a new query per sequence against a KV cache.
+
+For the token at position ``pos[b]`` of sequence b (the cache holds its positions 0 … pos[b],
+the new token's keys included), the output equals the prefill output at that position
+(``NSA_SPEC.md``, "Decoding"). Shapes are static (cache capacities, not lengths), nothing reads
+a tensor value on the host, so a step can be captured in a CUDA graph. The masks make the step
+attend to exactly the tokens the spec counts: the visible compressed tokens, the selected
+blocks' tokens up to ``pos`` and the last ``min(w, pos + 1)`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa.ops.params import NSAParams
+from nsa.ops.torch_backend import _compute_dtype, select_blocks
+
+
+def _attend(q, k, v, mask, scale):
+    """Softmax attention of q [B, H, 1, G, Dk] (float32/64) over k [B, H, 1, S, Dk],
+    v [B, H, 1, S, Dv] in the cache's dtype (not copied to float32: products in the cache dtype,
+    scores and softmax in q's), restricted to ``mask`` (broadcast to [B, H, 1, G, S]); rows with
+    no visible key give 0. Returns (out [B, H, 1, G, Dv] in q's dtype, probabilities)."""
+    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.matmul(probs.to(v.dtype), v).to(q.dtype), probs
+
+
+def visible_compressed(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
+    """[B] number of compressed tokens a query at ``pos`` sees: those with i·d + l - 1 <= pos."""
+    return torch.where(pos >= params.cmp_block - 1,
+                       (pos - params.cmp_block + 1) // params.cmp_stride + 1,
+                       torch.zeros_like(pos))
+
+
+def window_ring_positions(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, W]: the position slot j of a ring buffer (slot = position % W) holds once ``pos``
+    has been written: the latest p <= pos with p ≡ j (mod W); negative where none yet."""
+    j = torch.arange(window, device=pos.device)
+    return pos[:, None] - (pos[:, None] - j) % window
+
+
+def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None, *,
+               k_win=None, v_win=None, window_ring=False, return_tokens_read=False):
+    """NSA attention of one new query per sequence.
+
+    Args:
+        q: [B, HQ, Dk] queries of the new tokens (RoPE applied).
+        k, v: [B, S, H, Dk/Dv] raw keys/values of positions 0 … pos (capacity S).
+        k_cmp, v_cmp: [B, C, H, Dk/Dv] compressed tokens (capacity C; those past the visible
+            count are ignored).
+        gates: [B, HQ, 3] activated gates.
+        pos: [B] int64 position of the new token of each sequence.
+        k_win, v_win: the window branch's keys/values, default ``k``, ``v``: [B, S, H, D] by
+            position, or with ``window_ring`` a ring [B, w, H, D] holding position p at p % w.
+
+    Returns:
+        [B, HQ, Dv] in the dtype of ``q``; with ``return_tokens_read`` also [B, H] int64: the
+        cached tokens the step attended to per KV head (compressed + selected + window).
+    """
+    B, HQ, Dk = q.shape
+    S, H = k.shape[1], k.shape[2]
+    G = HQ // H
+    scale = Dk**-0.5 if scale is None else scale
+    dtype = _compute_dtype(q.dtype)
+    # The G query heads of a KV head are the rows of one [G, S] score matrix per (b, h):
+    # the attention's query dim holds them, so keys are never broadcast over G.
+    qh = q.to(dtype).view(B, H, 1, G, Dk)  # [B, H, 1, G, Dk]
+
+    def heads_first(x):  # [B, N, H, D] -> [B, H, 1, N, D]
+        return x.permute(0, 2, 1, 3).unsqueeze(2)
+
+    # Compressed branch (its probabilities score the blocks).
+    C = k_cmp.shape[1]
+    cmp_mask = (torch.arange(C, device=q.device) < visible_compressed(pos, params)[:, None])
+    o_cmp, p_cmp = _attend(qh, heads_first(k_cmp), heads_first(v_cmp),
+                           cmp_mask.view(B, 1, 1, 1, C), scale)
+
+    # Selection: the queries of the batch go where select_blocks expects a chunk's queries.
+    num_blocks = -(-S // params.sel_block)
+    p_chunk = p_cmp.view(B, H, G, C).permute(1, 2, 0, 3).unsqueeze(0)  # [1, H, G, B, C]
+    blocks = select_blocks(p_chunk, torch.arange(C, device=q.device), pos, params,
+                           num_blocks)[0].transpose(0, 1)  # [B, H, n]
+    offsets = torch.arange(params.sel_block, device=q.device)
+    key_pos = (blocks[..., None] * params.sel_block + offsets).flatten(2)  # [B, H, n·l']
+    slc_mask = (blocks[..., None] >= 0).expand(-1, -1, -1, params.sel_block).flatten(2)
+    slc_mask = slc_mask & (key_pos <= pos[:, None, None])
+    index = key_pos.clamp(0, S - 1)
+    k_slc = torch.gather(k.permute(0, 2, 1, 3), 2, index[..., None].expand(-1, -1, -1, Dk))
+    v_slc = torch.gather(v.permute(0, 2, 1, 3), 2,
+                         index[..., None].expand(-1, -1, -1, v.shape[-1]))
+    o_slc, _ = _attend(qh, k_slc.unsqueeze(2), v_slc.unsqueeze(2), slc_mask[:, :, None, None, :],
+                       scale)
+
+    # Window branch: from a ring buffer, or the last w positions of a positional buffer.
+    if window_ring:
+        win_pos = window_ring_positions(pos, k_win.shape[1])  # [B, w]
+        win_mask = win_pos >= 0
+        k_w, v_w = heads_first(k_win), heads_first(v_win)
+    else:
+        k_win = k if k_win is None else k_win
+        v_win = v if v_win is None else v_win
+        win_pos = pos[:, None] - torch.arange(min(params.window, S), device=q.device)  # [B, W]
+        win_mask = win_pos >= 0
+        index = win_pos.clamp_min(0)[:, :, None, None]
+        k_w = heads_first(torch.gather(k_win, 1, index.expand(-1, -1, H, Dk)))
+        v_w = heads_first(torch.gather(v_win, 1, index.expand(-1, -1, H, v_win.shape[-1])))
+    o_win, _ = _attend(qh, k_w, v_w, win_mask[:, None, None, None, :], scale)
+
+    g = gates.to(dtype).view(B, H, 1, G, 3)
+    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # [B, H, 1, G, Dv]
+    out = out.reshape(B, HQ, -1).to(q.dtype)
+    if not return_tokens_read:
+        return out
+    read = (cmp_mask.sum(-1)[:, None] + slc_mask.sum(-1) + win_mask.sum(-1)[:, None])
+    return out, read
+
+
+def tokens_read(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
+    """[B] tokens one decode step reads per KV head (spec): visible compressed tokens + the
+    selected blocks' tokens up to ``pos`` + min(w, pos + 1)."""
+    current = pos // params.sel_block
+    candidates = current + 1
+    selected = torch.minimum(candidates, torch.full_like(pos, params.num_selected))
+    # The current block (always selected: num_local >= 1) holds pos % l' + 1 tokens so far.
+    if params.num_local >= 1:
+        selected_tokens = (selected - 1) * params.sel_block + pos % params.sel_block + 1
+    else:
+        raise ValueError("tokens_read assumes num_local >= 1 (the current block is selected)")
+    window = torch.minimum(pos + 1, torch.full_like(pos, params.window))
+    return visible_compressed(pos, params) + selected_tokens + window
