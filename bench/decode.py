@@ -5,10 +5,11 @@
 
 Per context T and batch B (HQ=64, H=4, D=128, bf16, paper parameters, every sequence at
 position T-1): median time of one decode-step attention (``triton.testing.do_bench``) for NSA
-(eager and replayed as a CUDA graph) and dense SDPA with each backend that runs; bytes each reads
-per step (NSA: the spec's token count; dense: the whole cache) and the achieved bandwidth,
-against a device-to-device copy measured in the same run. Then tokens/s of the m7c-125m model
-(random weights) generating with and without CUDA graphs.
+(Triton kernels and the PyTorch path, each eager and replayed as a CUDA graph) and dense SDPA
+with each backend that runs; bytes each reads per step (NSA: the spec's token count; dense: the
+whole cache) and the achieved bandwidth, against a device-to-device copy measured in the same
+run. Then tokens/s of the m7c-125m model (random weights) generating with and without CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -70,13 +71,15 @@ def measure_step(T: int, B: int, HQ: int, H: int, D: int) -> list[dict]:
 
     x = step_inputs(T, B, HQ, H, D)
     bench = lambda fn: do_bench(fn, warmup=10, rep=100, return_mode="median")  # noqa
-    nsa = lambda: nsa_decode(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],  # noqa
-                             x["pos"], PARAMS, k_win=x["k_win"], v_win=x["v_win"],
-                             window_ring=True)
     tokens = tokens_read(x["pos"], PARAMS)  # [B] per KV head
     nsa_bytes = int(tokens.sum()) * H * 2 * D * 2 + x["q"].numel() * 2
-    rows = [dict(impl="nsa-torch", ms=bench(nsa), bytes=nsa_bytes),
-            dict(impl="nsa-torch+graph", ms=bench(graphed(nsa)), bytes=nsa_bytes)]
+    rows = []
+    for backend in ("triton", "torch"):
+        nsa = lambda backend=backend: nsa_decode(  # noqa: E731
+            x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"], x["pos"], PARAMS,
+            k_win=x["k_win"], v_win=x["v_win"], window_ring=True, backend=backend)
+        rows += [dict(impl=f"nsa-{backend}", ms=bench(nsa), bytes=nsa_bytes),
+                 dict(impl=f"nsa-{backend}+graph", ms=bench(graphed(nsa)), bytes=nsa_bytes)]
     q = x["q"].view(B, HQ, 1, D)
     k, v = x["k"].transpose(1, 2), x["v"].transpose(1, 2)  # [B, H, T, D]
     dense_bytes = B * H * T * 2 * D * 2 + x["q"].numel() * 2

@@ -219,7 +219,8 @@ class NSAttention(nn.Module):
             write_at(cache.v_cmp, index, v_new[:, 0], complete)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
                          self.gates(x)[:, 0], pos, c.nsa_params, k_win=cache.k_win,
-                         v_win=cache.v_win, window_ring=cache.k_win is not None)
+                         v_win=cache.v_win, window_ring=cache.k_win is not None,
+                         backend=c.backend)
         return self.o_proj(out.reshape(B, 1, c.num_heads * c.head_dim_v))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from nsa.ops.attention import _resolve_backend
 from nsa.ops.params import NSAParams
 from nsa.ops.torch_backend import _compute_dtype, select_blocks
 
@@ -46,7 +47,8 @@ def window_ring_positions(pos: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None, *,
-               k_win=None, v_win=None, window_ring=False, return_tokens_read=False):
+               k_win=None, v_win=None, window_ring=False, backend="auto",
+               return_tokens_read=False):
     """NSA attention of one new query per sequence.
 
     Args:
@@ -58,11 +60,18 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         pos: [B] int64 position of the new token of each sequence.
         k_win, v_win: the window branch's keys/values, default ``k``, ``v``: [B, S, H, D] by
             position, or with ``window_ring`` a ring [B, w, H, D] holding position p at p % w.
+        backend: "auto" (Triton kernels for CUDA tensors), "torch" or "triton".
+        return_tokens_read: (PyTorch backend) also return what the step attended to.
 
     Returns:
         [B, HQ, Dv] in the dtype of ``q``; with ``return_tokens_read`` also [B, H] int64: the
         cached tokens the step attended to per KV head (compressed + selected + window).
     """
+    if _resolve_backend(backend, q) == "triton":
+        if return_tokens_read:
+            raise ValueError("return_tokens_read needs backend='torch'")
+        return nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params, scale, k_win=k_win,
+                                 v_win=v_win, window_ring=window_ring)
     B, HQ, Dk = q.shape
     S, H = k.shape[1], k.shape[2]
     G = HQ // H
@@ -119,6 +128,115 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         return out
     read = (cmp_mask.sum(-1)[:, None] + slc_mask.sum(-1) + win_mask.sum(-1)[:, None])
     return out, read
+
+
+DECODE_CHUNK = 512  # fewest compressed tokens one program of the Triton compressed pass takes
+DECODE_BLOCK_N = 64  # keys per step of the Triton kernels
+
+
+def merge_partials(m, l, acc):
+    """Softmax partials of splits -> (output, base-2 log-sum-exp): m, l [B, HQ, S] (running max
+    and sum, base 2), acc [B, HQ, S, Dv] (unnormalised); splits with no key have m = -inf."""
+    m_max = m.amax(-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m_max), m_max, torch.zeros_like(m_max))
+    weight = torch.exp2(m - m_safe)  # [B, HQ, S]; 0 for empty splits
+    total = (l * weight).sum(-1)  # [B, HQ]
+    out = (acc * weight[..., None]).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, m_safe[..., 0] + torch.log2(total), float("inf"))
+    return out, lse
+
+
+def block_scores_from(p: torch.Tensor, num_blocks: int, params: NSAParams) -> torch.Tensor:
+    """Group block scores [B, H, NB] from compressed probabilities p [B, H, C] (spec):
+    score_j = Σ_i p_i · |[i·d, i·d + l) ∩ [j·l', (j+1)·l')| / l. Every block sees the same
+    pattern of R + K - 1 tokens (R = l'/d per block, K = l/d per token): a strided window sum."""
+    d, l, ls = params.cmp_stride, params.cmp_block, params.sel_block
+    R, K = ls // d, l // d
+    offset = (torch.arange(R + K - 1, device=p.device) - (K - 1)) * d  # token start - block start
+    weight = ((torch.minimum(offset + l, torch.full_like(offset, ls)) - offset.clamp_min(0))
+              .clamp_min(0).to(p.dtype) / l)  # [R + K - 1]
+    need = num_blocks * R + K - 1  # tokens the windows span, with K - 1 zeros in front
+    padded = torch.nn.functional.pad(p, (K - 1, max(0, need - (K - 1) - p.shape[-1])))
+    windows = padded[..., :need].unfold(-1, R + K - 1, R)  # [B, H, NB, R + K - 1]
+    return windows @ weight
+
+
+def select_top_blocks(score: torch.Tensor, pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
+    """[B, H, n] int32 blocks (ascending, -1 padded) from scores [B, H, NB] for queries at
+    ``pos`` [B]: forced blocks first, then the highest scores, ties to the lower index."""
+    NB = score.shape[-1]
+    blocks = torch.arange(NB, device=score.device)
+    current = (pos // params.sel_block)[:, None, None]  # [B, 1, 1]
+    candidate = blocks <= current
+    forced = candidate & ((blocks < params.num_init) | (blocks > current - params.num_local))
+    bits = torch.where(forced, float("inf"), score.float().clamp_min(0)).view(torch.int32)
+    key = (bits.long() << 32) | (2**31 - 1 - blocks)
+    key = torch.where(candidate, key, -1)
+    top = torch.topk(key, min(params.num_selected, NB), dim=-1).values
+    chosen = torch.where(top >= 0, 2**31 - 1 - (top & 0xFFFFFFFF), 2**31 - 1)
+    chosen = torch.sort(chosen, dim=-1).values
+    chosen = torch.where(chosen == 2**31 - 1, -1, chosen).to(torch.int32)
+    return torch.nn.functional.pad(chosen, (0, params.num_selected - chosen.shape[-1]), value=-1)
+
+
+def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None, *,
+                      k_win=None, v_win=None, window_ring=False):
+    """:func:`nsa_decode` with Triton kernels (CUDA tensors, or the Triton interpreter)."""
+    import triton
+
+    from nsa.ops.triton.decode import _decode_cmp_kernel, _decode_sparse_kernel
+
+    B, HQ, Dk = q.shape
+    S, H, Dv, C = k.shape[1], k.shape[2], v.shape[-1], k_cmp.shape[1]
+    G = HQ // H
+    scale = Dk**-0.5 if scale is None else scale
+    k_win = k if k_win is None else k_win
+    v_win = v if v_win is None else v_win
+    q, k, v, k_cmp, v_cmp, k_win, v_win = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp,
+                                                                   k_win, v_win))
+    pos = pos.contiguous()
+    f32 = dict(dtype=torch.float32, device=q.device)
+    pow2 = lambda x: max(16, triton.next_power_of_2(x))  # noqa: E731
+    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_G=pow2(G), BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
+                IEEE=q.dtype == torch.float32)
+    scale_log2 = scale * 1.4426950408889634
+    # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
+    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(264, B * H)))
+    chunk = triton.cdiv(max(C, 1), splits * DECODE_BLOCK_N) * DECODE_BLOCK_N
+    splits = triton.cdiv(max(C, 1), chunk)
+    scores = torch.empty(B, HQ, max(C, 1), **f32)
+    m, l, acc = (torch.empty(B, HQ, splits, **f32), torch.empty(B, HQ, splits, **f32),
+                 torch.empty(B, HQ, splits, Dv, **f32))
+    _decode_cmp_kernel[(B * H, splits)](
+        q, k_cmp, v_cmp, pos, scores, m, l, acc, q.stride(0), q.stride(1),
+        *k_cmp.stride()[:3], *v_cmp.stride()[:3], scores.stride(0), scores.stride(1),
+        m.stride(0), m.stride(1), *acc.stride()[:3], H, chunk, scale_log2,
+        BLOCK_N=DECODE_BLOCK_N, CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride, **meta)
+    o_cmp, lse = merge_partials(m, l, acc)  # [B, HQ, Dv], [B, HQ]
+    visible = torch.arange(scores.shape[-1], device=q.device) < visible_compressed(pos, params)[
+        :, None, None]
+    p = torch.where(visible, torch.exp2(scores - lse[..., None]), 0.0)[..., :C]
+    NB = -(-S // params.sel_block)
+    idx = select_top_blocks(block_scores_from(p.view(B, H, G, C).sum(2), NB, params), pos,
+                            params)  # [B, H, n]
+    # Selected blocks and window chunks, one split each.
+    block_s = max(16, triton.next_power_of_2(params.sel_block))
+    win_splits = triton.cdiv(min(params.window, k_win.shape[1]), block_s)
+    n = params.num_selected
+    m, l, acc = (torch.empty(B, HQ, n + win_splits, **f32),
+                 torch.empty(B, HQ, n + win_splits, **f32),
+                 torch.empty(B, HQ, n + win_splits, Dv, **f32))
+    _decode_sparse_kernel[(B * H, n + win_splits)](
+        q, k, v, k_win, v_win, idx, pos, m, l, acc, q.stride(0), q.stride(1),
+        *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
+        idx.stride(0), idx.stride(1), m.stride(0), m.stride(1), *acc.stride()[:3],
+        H, scale_log2, BLOCK_S=block_s, NUM_SELECTED=n, SEL_BLOCK=params.sel_block,
+        WINDOW=params.window, WINDOW_RING=window_ring, **meta)
+    o_slc, _ = merge_partials(m[..., :n], l[..., :n], acc[..., :n, :])
+    o_win, _ = merge_partials(m[..., n:], l[..., n:], acc[..., n:, :])
+    g = gates.float()
+    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+    return out.to(q.dtype)
 
 
 def tokens_read(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:

@@ -134,3 +134,39 @@ def test_gpu_decode_with_triton_prefill_and_cuda_graph():
                 logits = step(tokens[torch.arange(2, device="cuda"), pos])
                 for b in range(2):
                     torch.testing.assert_close(logits[b], full[b, pos[b]], rtol=1e-3, atol=1e-3)
+
+
+def test_block_scores_from_equals_the_overlap_matrix():
+    from nsa.ops.decode import block_scores_from
+    from nsa.ops.torch_backend import block_overlap
+
+    for params in (NSAParams(**SMALL), NSAParams(cmp_block=8, cmp_stride=2, sel_block=4,
+                                                 num_selected=3, window=5)):
+        p = torch.rand(2, 3, 17, dtype=torch.float64)
+        NB = 11
+        dense = p @ block_overlap(torch.arange(17), NB, params, torch.float64)
+        torch.testing.assert_close(block_scores_from(p, NB, params), dense)
+
+
+@pytest.mark.parametrize("window_ring", [False, True])
+@pytest.mark.parametrize("G", [1, 3, 16])
+def test_triton_decode_matches_torch_decode(window_ring, G):
+    """The Triton decode kernels (interpreter on the CPU) against the PyTorch decode step."""
+    pytest.importorskip("triton")
+    params = NSAParams(**SMALL)
+    g = torch.Generator().manual_seed(G)
+    device = "cuda" if CUDA else "cpu"
+    B, S, H, Dk, Dv = 3, 45, 2, 16, 8
+    C = (S - params.cmp_block) // params.cmp_stride + 1
+    make = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    k, v, k_cmp, v_cmp = make(B, S, H, Dk), make(B, S, H, Dv), make(B, C, H, Dk), make(B, C, H, Dv)
+    W = params.window if window_ring else S
+    k_win, v_win = make(B, W, H, Dk), make(B, W, H, Dv)
+    q, gates = make(B, H * G, Dk), torch.rand(B, H * G, 3, generator=g).to(device)
+    for positions in ([0, 3, 44], [7, 20, 31]):
+        pos = torch.tensor(positions, device=device)
+        args = (q, k, v, k_cmp, v_cmp, gates, pos, params)
+        kw = dict(k_win=k_win, v_win=v_win, window_ring=window_ring)
+        ref = nsa_decode(*args, backend="torch", **kw)
+        out = nsa_decode(*args, backend="triton", **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
