@@ -123,21 +123,21 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     text = (args.prompt_file.read_text() if args.prompt_file is not None
             else args.prompt if args.prompt is not None else config.train.sample_prompt)
     prompt = torch.tensor([tokenizer.encode(text)], device=device)
+    if prompt.shape[1] + args.max_tokens > config.model.max_seq_len:
+        parser.error(f"the prompt ({prompt.shape[1]} tokens) + --max-tokens ({args.max_tokens}) "
+                     f"exceed the model's max_seq_len ({config.model.max_seq_len})")
     generator = torch.Generator(device).manual_seed(args.seed)
     sys.stdout.write(text)
     ids, shown = [], ""
     began = time.perf_counter()
-    try:
-        for token in stream_tokens(model, prompt, args.max_tokens, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, generator=generator,
-                                   cuda_graph=args.cuda_graphs and device.type == "cuda"):
-            ids.append(int(token[0]))
-            decoded = tokenizer.decode(ids)  # whole text: multi-byte characters come out whole
-            sys.stdout.write(decoded[len(shown):])
-            sys.stdout.flush()
-            shown = decoded
-    except ValueError as error:
-        parser.error(str(error))
+    for token in stream_tokens(model, prompt, args.max_tokens, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, generator=generator,
+                               cuda_graph=args.cuda_graphs and device.type == "cuda"):
+        ids.append(int(token[0]))
+        decoded = tokenizer.decode(ids)  # whole text: multi-byte characters come out whole
+        sys.stdout.write(decoded[len(shown):])
+        sys.stdout.flush()
+        shown = decoded
     elapsed = time.perf_counter() - began
     print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:,.1f} tokens/s]",
           file=sys.stderr)

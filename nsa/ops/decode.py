@@ -23,6 +23,8 @@ def _attend(q, k, v, mask, scale):
     scores and softmax in q's), restricted to ``mask`` (broadcast to [B, H, 1, G, S]); rows with
     no visible key give 0. Returns (out [B, H, 1, G, Dv] in q's dtype, probabilities)."""
     scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype) * scale
+    if scores.shape[-1] == 0:  # an empty cache (e.g. no compressed token fits in it)
+        return torch.matmul(scores, v.to(q.dtype)), scores
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

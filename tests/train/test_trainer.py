@@ -201,6 +201,13 @@ def test_cli_train_resume_and_sample(tiny_overrides, capsys):
     assert "wrote" in capsys.readouterr().out
     assert sample_checkpoint(model_file, num_tokens=4) == sample_checkpoint(Path(run_dir),
                                                                             num_tokens=4)
+    nsa.cli.main(["generate", "--model", str(model_file), "--prompt", "JULIET:",
+                  "--max-tokens", "5", "--top-k", "10", "--top-p", "0.9"])
+    out, err = capsys.readouterr()
+    assert out.startswith("JULIET:") and "tokens/s" in err
+    with pytest.raises(SystemExit):
+        nsa.cli.main(["generate", "--model", run_dir, "--max-tokens", "1000"])
+    assert "exceed the model's max_seq_len" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
