@@ -145,14 +145,20 @@ class NSAttention(nn.Module):
             num_local=p.num_local, backend=c.backend,
         )  # [B, T, HQ, Dv]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor):
+        """x [B, T, dim] -> (output [B, T, dim], the keys/values a cache keeps: k_src, v_src,
+        k_slc, v_slc, k_win, v_win [B, T, H, D] and k_cmp, v_cmp [B, Tc, H, D])."""
         c = self.config
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(
+            x, torch.arange(T, device=x.device))
         k_cmp, v_cmp = self._compress(k_src, v_src, torch.zeros((), device=x.device))
         out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win)
-        return self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
+        out = self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
+        return out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x)[0]
 
     # Decoding ---------------------------------------------------------------------------
 
@@ -173,11 +179,8 @@ class NSAttention(nn.Module):
         """forward(x) for [B, P, dim] prompts, right-padded (sequence b is ``lengths[b]``
         long), and fill ``cache`` with their first lengths[b] positions."""
         c = self.config
-        B, P, _ = x.shape
-        positions = torch.arange(P, device=x.device)
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
-        k_cmp, v_cmp = self._compress(k_src, v_src, torch.zeros((), device=x.device))
-        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win)
+        P = x.shape[1]
+        out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp) = self._run(x)
         # Later positions of shorter prompts are overwritten by their decode steps before they
         # are read (and compressed tokens past a prompt are invisible until recomputed).
         cache.k[:, :P] = k_slc
@@ -189,7 +192,7 @@ class NSAttention(nn.Module):
             cache.v_win.copy_(ring_from_prefix(v_win, lengths, c.window))
         cache.src_k.copy_(ring_from_prefix(k_src, lengths, c.cmp_block))
         cache.src_v.copy_(ring_from_prefix(v_src, lengths, c.cmp_block))
-        return self.o_proj(out.reshape(B, P, c.num_heads * c.head_dim_v))
+        return out
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache) -> torch.Tensor:
         """One new token per sequence: x [B, 1, dim] at positions ``pos`` [B] -> [B, 1, dim].
