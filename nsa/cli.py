@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("--preset", default="tiny", choices=sorted(TRAIN_PRESETS))
     train_cmd.add_argument("--resume", action="store_true",
                            help="continue from the newest checkpoint in run_dir/checkpoints")
+    train_cmd.add_argument("--auto-resume", action="store_true",
+                           help="resume when run_dir holds a checkpoint, else start fresh "
+                                "(for torchrun --max-restarts)")
     train_cmd.add_argument("--overwrite", action="store_true",
                            help="start over in a run_dir that already holds a checkpoint")
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
@@ -71,7 +74,8 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     except ValueError as error:
         parser.error(str(error))
     try:
-        train(config, resume=args.resume, overwrite=args.overwrite)
+        resume = "auto" if args.auto_resume else args.resume
+        train(config, resume=resume, overwrite=args.overwrite)
     except RunDirError as error:
         parser.error(str(error))
 

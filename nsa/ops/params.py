@@ -12,6 +12,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
+MAX_INT = 2**31 - 1  # block parameters are int32 scalars in the kernels
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,12 @@ class NSAParams:
     def __post_init__(self) -> None:
         for name in ("cmp_block", "cmp_stride", "sel_block", "num_selected", "window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_INT:
+                raise ValueError(f"{name} must be a positive int <= 2**31 - 1, got {value!r}")
         for name in ("num_init", "num_local"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+                raise ValueError(f"{name} must be a non-negative int <= 2**31 - 1, got {value!r}")
         if self.cmp_block % self.cmp_stride:
             raise ValueError(
                 f"cmp_stride ({self.cmp_stride}) must divide cmp_block ({self.cmp_block})"
@@ -107,7 +108,9 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device)
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must have shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}"
+        )
     if batch != 1:
         raise ValueError(f"cu_seqlens needs batch size 1 (sequences packed along T), got B={batch}")
     if cu_seqlens.device.type not in ("cpu", device.type):
@@ -134,14 +137,22 @@ def expected_compressed_length(params: NSAParams, seq_len: int, cu_seqlens) -> i
     return int(compressed_lengths(lengths, params.cmp_block, params.cmp_stride).sum())
 
 
+def _check_query(HQ: int, H: int, kv_name: str, Dk: int) -> None:
+    """q: HQ = G·H heads with G, H >= 1 (H from ``kv_name``), and a positive head dim."""
+    if H < 1 or HQ < 1 or HQ % H:
+        raise ValueError(f"q has HQ={HQ} heads, which must be a positive multiple of the "
+                         f"H={H} heads of {kv_name}")
+    if Dk < 1:
+        raise ValueError(f"q must have a positive head dim Dk, got {Dk}")
+
+
 def check_select_inputs(q, k_cmp, params: NSAParams, cu_seqlens) -> None:
     _check_tensor("q", q, 4)
     _check_tensor("k_cmp", k_cmp, 4)
     _check_same("q", q, "k_cmp", k_cmp)
     B, T, HQ, Dk = q.shape
     H = k_cmp.shape[2]
-    if H < 1 or HQ % H:
-        raise ValueError(f"the number of query heads HQ={HQ} must be a multiple of H={H} (k_cmp)")
+    _check_query(HQ, H, "k_cmp", Dk)
     check_cu_seqlens(cu_seqlens, B, T, q.device)
     Tc = expected_compressed_length(params, T, cu_seqlens)
     _check_dims("k_cmp", k_cmp, (B, Tc, H, Dk))
@@ -159,10 +170,9 @@ def check_attention_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, c
             _check_same("q", q, name, x)
     B, T, HQ, Dk = q.shape
     H, Dv = k.shape[2], v.shape[3]
-    if H < 1 or HQ % H:
-        raise ValueError(f"the number of query heads HQ={HQ} must be a multiple of H={H} (k)")
-    if Dk < 1 or Dv < 1:
-        raise ValueError(f"head dims must be positive, got Dk={Dk}, Dv={Dv}")
+    _check_query(HQ, H, "k", Dk)
+    if Dv < 1:
+        raise ValueError(f"v must have a positive head dim Dv, got {Dv}")
     _check_dims("k", k, (B, T, H, Dk))
     _check_dims("v", v, (B, T, H, None))
     _check_dims("gates", gates, (B, T, HQ, 3))

@@ -6,13 +6,20 @@ and RNG state). Every rank writes into ``.step_000100.tmp/``; once all have fini
 adds the trainer state, renames the directory and syncs it: a crash mid-save leaves only a
 temporary directory, never a half-written ``step_*``, and the previous checkpoint stays.
 The newest ``keep`` checkpoints are kept. The learning rate is a function of the step.
+
+Every checkpoint ends with ``manifest.json``: the size and CRC-32 of each of its files, written
+last. A checkpoint without one is incomplete; one whose files disagree with it is corrupted and
+refused with the name of the file (``CheckpointCorrupted``), and resuming falls back to the
+newest checkpoint that verifies.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ from nsa.train.distributed import DistContext, all_gather_objects, barrier
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 EXPORT_FORMAT = "nsa-model-v1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -33,21 +41,75 @@ class RunDirError(Exception):
     """There is no checkpoint where one was asked for, or a fresh run would replace one."""
 
 
+class CheckpointCorrupted(Exception):
+    """A checkpoint's files disagree with its manifest (truncated, altered or missing)."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (disk full, directory not writable, ...)."""
+
+
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """The complete checkpoints of a run, oldest first."""
+    """The complete (manifest written) checkpoints of a run, oldest first; not yet verified."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()]
+             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Path:
-    dirs = checkpoint_dirs(run_dir)
-    if not dirs:
-        raise RunDirError(f"no checkpoint to resume from in {run_dir / CHECKPOINTS}")
-    return dirs[-1]
+def latest_checkpoint(run_dir: Path, report=print) -> Path:
+    """The newest checkpoint that verifies; corrupted ones are skipped with a ``report``."""
+    problems = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointCorrupted as error:
+            problems.append(str(error))
+            report(f"skipping a corrupted checkpoint: {error}")
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    raise RunDirError(f"no checkpoint to resume from in {run_dir / CHECKPOINTS}{detail}")
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(path: Path) -> None:
+    """Record the size and CRC-32 of every file of checkpoint directory ``path``."""
+    files = {str(f.relative_to(path)): {"size": f.stat().st_size, "crc32": _crc32(f)}
+             for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    tmp = path / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise :class:`CheckpointCorrupted` naming the first file that disagrees with the
+    manifest (missing, another size, another checksum)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointCorrupted(f"{path / MANIFEST}: unreadable manifest ({error})") from None
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorrupted(f"{file}: missing")
+        size = file.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointCorrupted(f"{file}: {size} bytes, expected {expected['size']} "
+                                      f"(truncated or altered)")
+        if _crc32(file) != expected["crc32"]:
+            raise CheckpointCorrupted(f"{file}: checksum mismatch (corrupted)")
 
 
 def rng_state() -> dict:
@@ -67,23 +129,32 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     root = run_dir / CHECKPOINTS
     final = root / f"step_{step:06d}"
     tmp = root / f".{final.name}.tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
-        root.mkdir(parents=True, exist_ok=True)
-    barrier(ctx)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    data_states = all_gather_objects(data_state, ctx)
-    rng_states = all_gather_objects(rng_state(), ctx)
-    if ctx.is_main:
-        trainer_state = {"step": step, "config": config.to_dict(), "world_size": ctx.world_size,
-                         "data": data_states, "rng": rng_states}
-        atomic_save(trainer_state, tmp / TRAINER_STATE)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        for old in checkpoint_dirs(run_dir)[:-keep]:
-            shutil.rmtree(old)
+    try:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+            root.mkdir(parents=True, exist_ok=True)
+        barrier(ctx)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        data_states = all_gather_objects(data_state, ctx)
+        rng_states = all_gather_objects(rng_state(), ctx)
+        if ctx.is_main:
+            trainer_state = {"step": step, "config": config.to_dict(),
+                             "world_size": ctx.world_size, "data": data_states,
+                             "rng": rng_states}
+            atomic_save(trainer_state, tmp / TRAINER_STATE)
+            write_manifest(tmp)  # last: only now is the directory a checkpoint
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            for old in checkpoint_dirs(run_dir)[:-keep]:
+                shutil.rmtree(old)
+    except OSError as error:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"writing the step {step} checkpoint to {tmp} failed: {error}; earlier "
+            f"checkpoints in {root} are intact") from error
     barrier(ctx)
     return final
 
@@ -95,6 +166,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     Returns (step, this rank's data state). The model config must match the checkpoint's;
     training settings may differ (for example a larger ``max_steps`` to extend a run).
     """
+    verify_checkpoint(path)
     state = read_trainer_state(path)
     saved = RunConfig.from_dict(state["config"])
     if saved.model != config.model:
@@ -162,6 +234,7 @@ def export_model(checkpoint: Path, out: Path) -> Path:
     :func:`load_exported` reads it. Runs in a single process."""
     from nsa.models import LanguageModel
 
+    verify_checkpoint(checkpoint)
     state = read_trainer_state(checkpoint)
     config = RunConfig.from_dict(state["config"])
     model = LanguageModel(config.model)

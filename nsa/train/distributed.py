@@ -50,8 +50,21 @@ def init_distributed(device_name: str) -> DistContext:
         device = torch.device(device_name)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=_attempt_store(rank, world_size), rank=rank,
+                                world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
     return DistContext(rank, world_size, local_rank, device)
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store:
+    """torchrun's store, with keys prefixed by the restart attempt: after ``--max-restarts``
+    brings a job back, the new processes must not read the dead ones' addresses (which makes
+    the process group's connection fail)."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"nsa/attempt_{attempt}", store)
 
 
 def shutdown_distributed() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterable
@@ -60,10 +61,12 @@ class TrainingDiverged(RuntimeError):
     """A loss or gradient norm became NaN/inf; every rank stops, no checkpoint is written."""
 
 
-def train(config: RunConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+def train(config: RunConfig, resume: bool | str = False, overwrite: bool = False) -> TrainResult:
     """Train ``config`` in ``config.train.run_dir``.
 
-    ``resume`` continues from its newest checkpoint; ``overwrite`` lets a fresh run replace one.
+    ``resume``: True continues from the newest good checkpoint (an error if there is none);
+    "auto" continues when there is one and starts fresh otherwise (for restarts under
+    ``torchrun --max-restarts``). ``overwrite`` lets a fresh run replace an earlier one.
     Under torchrun every rank calls this with the same config.
     """
     t = config.train
@@ -78,6 +81,8 @@ def train(config: RunConfig, resume: bool = False, overwrite: bool = False) -> T
 
 def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -> TrainResult:
     t, device = config.train, ctx.device
+    if resume == "auto":
+        resume = bool(checkpoint_dirs(Path(t.run_dir)))
     run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite, ctx)
     if t.parallel == "none" and ctx.world_size > 1:
         raise ValueError(f"{ctx.world_size} processes need parallel=ddp or parallel=fsdp")
@@ -95,6 +100,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     model.checkpoint_blocks = t.activation_checkpointing
     flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
     bf16 = t.autocast and device.type == "cuda"
+    check_disk_space(run_dir, model)
     model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile)
     optimizer = build_optimizer(model, t)
     start = 0
@@ -139,7 +145,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
             heartbeat.beat(step)
             checkpoint_due = step % t.checkpoint_interval == 0 or step == t.max_steps
             if step % t.log_interval == 0 or checkpoint_due:
-                check_finite(diverged, step)  # before any checkpoint: never save a bad model
+                check_finite(diverged, step, ctx)  # before any checkpoint: never save a bad one
             if step % t.log_interval == 0 or step == t.max_steps:
                 record = step_record(step, loss, grad_norm, lr, throughput.read(),
                                      time.perf_counter() - began, flops_per_token, peak, ctx,
@@ -176,11 +182,26 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     return TrainResult(t.max_steps, train_loss, val_loss, run_dir, sample)
 
 
-def check_finite(diverged: torch.Tensor, step: int) -> None:
-    """Raise on every rank together (the flag comes from all-reduced values)."""
+def check_finite(diverged: torch.Tensor, step: int, ctx: DistContext) -> None:
+    """Raise on every rank together: a NaN in one rank's gradients reaches only that rank's
+    norm, so the flag is combined over ranks first."""
+    if ctx.distributed:
+        flag = diverged.to(torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        diverged = flag.bool()
     if diverged.item():
         raise TrainingDiverged(f"a loss or gradient norm became NaN/inf at or before step "
                                f"{step}; stopped without saving (the last checkpoint is intact)")
+
+
+def check_disk_space(run_dir: Path, model: nn.Module, margin: float = 1.5) -> None:
+    """Fail before training when the run directory cannot hold one checkpoint (weights and two
+    AdamW moments in float32, with ``margin``)."""
+    needed = margin * 12 * sum(p.numel() for p in model.parameters())
+    free = shutil.disk_usage(run_dir).free
+    if free < needed:
+        raise RunDirError(f"{run_dir} has {free / 2**30:.2f} GiB free; a checkpoint of this "
+                          f"model needs about {needed / 2**30:.2f} GiB")
 
 
 def step_record(step, loss, grad_norm, lr, tokens_per_s, elapsed, flops_per_token, peak,
@@ -238,10 +259,15 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool = False,
         if ctx is None or ctx.is_main:
             print(f"{run_dir} holds an earlier run: starting over (--overwrite)")
             shutil.rmtree(run_dir / CHECKPOINTS)
-    if ctx is None or ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
     if ctx is not None:
         barrier(ctx)
+    try:  # every rank: an unwritable directory fails here, before any training
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as error:
+        raise RunDirError(f"run_dir {run_dir} is not writable: {error}") from None
     return run_dir
 
 
