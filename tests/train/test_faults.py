@@ -48,6 +48,18 @@ def torchrun(*args, restarts=0, monitor=None):
     return [*command, *args]
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text`` (Linux /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                pids.append(int(cmdline.parent.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return pids
+
+
 def with_fault(fault, rank, step, marker):
     return [str(RUNNER), "--fault", fault, "--rank", str(rank), "--step", str(step),
             "--marker", str(marker), "--"]
@@ -94,6 +106,7 @@ def test_a_hang_in_a_collective_is_caught_by_every_watchdog(tmp_path):
     assert "injected_stall" in hung and "last step: 2" in hung
     assert "last step: 2" in waiting  # rank 0 waited inside the collective
     assert f"exitcode  : {STALL_EXIT_CODE}" in result.stderr  # the watchdog's exit
+    assert processes_mentioning(str(run_dir)) == []  # no worker left behind
 
 
 def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
