@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,17 @@ from nsa.ops.params import BACKENDS
 
 KV_SHARING = ("independent", "shared")
 BRANCHES = ("cmp", "slc", "win")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_positive_float(name: str, value) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,10 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_heads", "num_kv_heads", "head_dim_k", "head_dim_v"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_positive_int(name, getattr(self, name))
+        check_positive_float("rope_base", self.rope_base)
+        if self.compressor_hidden is not None:
+            check_positive_int("compressor_hidden", self.compressor_hidden)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from nsa.layers.attention import AttentionConfig
+from nsa.layers.attention import AttentionConfig, check_positive_float, check_positive_int
 
 ATTENTIONS = ("nsa", "dense")
 
@@ -42,8 +42,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_positive_int(name, getattr(self, name))
+        check_positive_float("norm_eps", self.norm_eps)
+        if self.mlp_hidden is not None:
+            check_positive_int("mlp_hidden", self.mlp_hidden)
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         self.attention_config  # validates the attention fields

@@ -11,12 +11,39 @@ from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET, TRITON_MI
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """"auto": Triton for CUDA tensors (when Triton is installed), PyTorch otherwise."""
+# Largest block parameters the Triton kernels take: a selection block is one tile of keys,
+# and the selection kernel scores pow2(num_selected) blocks (of sel_block / cmp_stride
+# compressed tokens) per step.
+TRITON_MAX_SEL_BLOCK = 256
+TRITON_MAX_SCORED_TOKENS = 1024
+
+
+def triton_limits_problem(params: NSAParams | None) -> str | None:
+    """Why ``params`` exceed the Triton kernels' tile sizes, or None."""
+    if params is None:
+        return None
+    if params.sel_block > TRITON_MAX_SEL_BLOCK:
+        return f"sel_block <= {TRITON_MAX_SEL_BLOCK}, got sel_block={params.sel_block}"
+    scored = 1 << (params.num_selected - 1).bit_length()  # next power of two
+    if scored * params.sel_block // params.cmp_stride > TRITON_MAX_SCORED_TOKENS:
+        return (f"next_pow2(num_selected) * sel_block / cmp_stride <= "
+                f"{TRITON_MAX_SCORED_TOKENS}, got num_selected={params.num_selected}, "
+                f"sel_block={params.sel_block}, cmp_stride={params.cmp_stride}")
+    return None
+
+
+def _resolve_backend(backend: str, q: torch.Tensor, params: NSAParams | None = None) -> str:
+    """"auto": Triton for CUDA tensors (when Triton is installed and the block parameters fit
+    its kernels), PyTorch otherwise."""
     check_backend(backend)
     if backend == "auto":
-        return "triton" if q.is_cuda and TRITON_AVAILABLE and q.dtype in TRITON_DTYPES else "torch"
+        fits = triton_limits_problem(params) is None
+        use_triton = q.is_cuda and TRITON_AVAILABLE and q.dtype in TRITON_DTYPES and fits
+        return "triton" if use_triton else "torch"
     if backend == "triton":
+        problem = triton_limits_problem(params)
+        if problem is not None:
+            raise ValueError(f"backend='triton' needs {problem}")
         if not TRITON_AVAILABLE:
             raise ValueError(f"backend='triton' needs Triton: {TRITON_MISSING_REASON}")
         if not (q.is_cuda or TRITON_INTERPRET):
@@ -61,7 +88,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init, num_local)
     check_attention_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, cu_seqlens)
     scale = _scale(scale, q.shape[-1])
-    backend = _resolve_backend(backend, q)
+    backend = _resolve_backend(backend, q, params)
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     if backend == "triton":
@@ -89,7 +116,7 @@ def nsa_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selec
                        num_local=num_local)
     check_select_inputs(q, k_cmp, params, cu_seqlens)
     scale = _scale(scale, q.shape[-1])
-    if _resolve_backend(backend, q) == "triton":
+    if _resolve_backend(backend, q, params) == "triton":
         from nsa.ops.triton.attention import nsa_select_triton
 
         return nsa_select_triton(q, k_cmp, params, scale, cu_seqlens)

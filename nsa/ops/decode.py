@@ -69,7 +69,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         [B, HQ, Dv] in the dtype of ``q``; with ``return_tokens_read`` also [B, H] int64: the
         cached tokens the step attended to per KV head (compressed + selected + window).
     """
-    if _resolve_backend(backend, q) == "triton":
+    if _resolve_backend(backend, q, params) == "triton":
         if return_tokens_read:
             raise ValueError("return_tokens_read needs backend='torch'")
         return nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params, scale, k_win=k_win,

@@ -171,7 +171,7 @@ def _attention_chunk(q, k, v, k_cmp, v_cmp, k_win, v_win, gates, *, layout, t0, 
     o_win = _window_branch(qh, k_win, v_win, layout, t0, t1, params, scale)
     g = _split_heads(gates.to(dtype), H)  # [B, H, G, C, 3]
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # [B, H, G, C, Dv]
-    return out.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, -1).to(q.dtype)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, C, HQ, v.shape[-1]).to(q.dtype)
 
 
 def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
@@ -197,8 +197,8 @@ def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAP
                       indices=None if indices is None else indices[:, t0:t1])
         args = (q[:, t0:t1], k, v, k_cmp, v_cmp, k_win, v_win, gates[:, t0:t1])
         outputs.append(checkpoint(run, *args, use_reentrant=False) if needs_grad else run(*args))
-    if not outputs:  # T == 0
-        return q.new_zeros(B, 0, HQ, v.shape[-1])
+    if not outputs:  # T == 0: an empty output that is still part of the graph
+        return q.new_zeros(B, 0, HQ, v.shape[-1]) + 0 * q.sum()
     return torch.cat(outputs, dim=1)
 
 

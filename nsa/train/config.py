@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -61,6 +62,10 @@ class TrainConfig:
     sample_temperature: float = 0.8
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # None, not inf, disables grad_clip and the watchdog
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be finite, got {value}")
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps",
                     "log_interval", "checkpoint_interval")
         for name in positive:

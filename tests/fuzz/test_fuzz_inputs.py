@@ -18,17 +18,19 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import nsa
 from nsa.layers.attention import BRANCHES, KV_SHARING, AttentionConfig, NSAttention
 from nsa.layers.compressor import COMPRESSORS
-from nsa.models.config import ModelConfig
+from nsa.models.config import MODEL_PRESETS, ModelConfig
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
 from nsa.train.config import TRAIN_PRESETS, RunConfig, TrainConfig, build_config
 from tests.ops.helpers import (
     assert_all_rel_close,
     assert_index_format,
+    assert_rel_close,
     assert_selection_valid,
     forward_backward,
     make_inputs,
@@ -40,12 +42,19 @@ FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow])
 
 FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-LOW = FLOATS[1:]  # what the Triton backend takes
+# The Triton tests run CPU tensors through Triton's interpreter, which computes bfloat16 on the
+# raw bit patterns (triton-lang/triton#11584); tests/ops/test_triton_backend.py covers bfloat16
+# on a GPU.
+INTERPRETED = (torch.float32, torch.float16)
+needs_interpreter = pytest.mark.skipif(not (TRITON_AVAILABLE and TRITON_INTERPRET),
+                                       reason="needs Triton's interpreter (a machine without CUDA)")
 # Relative errors allowed against the float64 oracle (NSA_SPEC.md; float16 as the Triton
 # tests), and how close two block scores of one head may be and still be ordered either way.
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 SCORE_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-ORACLE_ROWS = 96  # B·T·HQ up to which a valid result is compared with the (slow) oracle
+# Up to which B·T·HQ and block sizes a valid result is compared with the (slow) oracle, which
+# loops over every token of a selected block.
+ORACLE_ROWS, ORACLE_BLOCK = 256, 64
 
 TENSORS = ("q", "k", "v", "k_cmp", "v_cmp", "gates", "k_win", "v_win")
 # The dims checked against another tensor (q sets B, T, HQ and Dk; k sets H, v sets Dv, and
@@ -95,6 +104,7 @@ class Case:
 
 
 def make_tensors(op: str, s: dict, kw: dict) -> dict:
+    """Random valid tensors of ``op`` for the sizes, dtype, layout and device in ``s``."""
     x = make_inputs(s["B"], s["T"], s["HQ"], s["H"], s["Dk"], s["Dv"], dtype=s["dtype"],
                     seed=s["seed"], cmp_block=kw["cmp_block"], cmp_stride=kw["cmp_stride"],
                     cu_seqlens=kw["cu_seqlens"], separate_win=s["separate_win"])
@@ -109,7 +119,7 @@ def make_tensors(op: str, s: dict, kw: dict) -> dict:
 def block_params(draw, op: str, large: bool = True):
     """Valid block sizes; with ``large``, now and then one near the int32 limit."""
     d = draw(st.integers(1, 4))
-    factors = [1, 2, 3, 4, 2**28] if large else [1, 2, 3, 4]
+    factors = [1, 2, 3, 4] * 2 + [2**28] if large else [1, 2, 3, 4]
     num_init, num_local = draw(st.integers(0, 2)), draw(st.integers(0, 2))
     p = dict(cmp_block=d * draw(st.sampled_from(factors)), cmp_stride=d,
              sel_block=d * draw(st.sampled_from(factors)),
@@ -152,6 +162,8 @@ def break_block_param(draw, kw: dict) -> tuple:
 
 
 def break_param(draw, case: Case) -> tuple:
+    """Each ``break_*`` breaks one argument of ``case`` and returns the names that may stand
+    for it in the error message."""
     return break_block_param(draw, case.kw)
 
 
@@ -224,7 +236,8 @@ def break_tensor(draw, case: Case) -> tuple:
     t = case.x[name]
     if kind == "type":
         defaulted = name in ("k_win", "v_win")  # None is valid there
-        case.x[name] = draw(st.sampled_from([t.tolist(), 1.0, "q", *[None] * (not defaulted)]))
+        nested = torch.zeros(t.shape).tolist()
+        case.x[name] = draw(st.sampled_from([nested, 1.0, "q", *[None] * (not defaulted)]))
     elif kind == "rank":
         case.x[name] = draw(st.sampled_from([t[..., 0], t[None]]))
     elif kind == "dtype":
@@ -241,9 +254,10 @@ FAULTS = (None, None, None, break_param, break_scale, break_backend, break_cu_se
 
 
 @st.composite
-def op_cases(draw, op: str, backends, dtypes, *, batch=3, length=40, heads=3, group=4, dim=16):
+def op_cases(draw, op: str, backends, dtypes, *, batch=3, length=40, heads=3, group=4, dim=16,
+             large=True):
     """A valid call of ``op`` with random sizes and options, broken by at most one fault."""
-    p = draw(block_params(op))
+    p = draw(block_params(op, large))
     spec = dict(B=draw(st.integers(1, batch)), T=draw(st.integers(0, length)),
                 H=draw(st.integers(1, heads)), Dk=2 * draw(st.integers(1, dim // 2)),
                 Dv=2 * draw(st.integers(1, dim // 2)), dtype=draw(st.sampled_from(dtypes)),
@@ -265,6 +279,7 @@ def op_cases(draw, op: str, backends, dtypes, *, batch=3, length=40, heads=3, gr
 
 def check_selection(case: Case, idx: torch.Tensor) -> None:
     """Index format of the spec, and a correct selection for the oracle's block scores."""
+    event("compared with the oracle")
     q, k_cmp, kw = case.x["q"], case.x["k_cmp"], case.kw
     B, T, HQ = q.shape[:3]
     H = k_cmp.shape[2]
@@ -273,10 +288,11 @@ def check_selection(case: Case, idx: torch.Tensor) -> None:
     scores = naive_group_scores(q, k_cmp, cmp_block=kw["cmp_block"], cmp_stride=kw["cmp_stride"],
                                 sel_block=kw["sel_block"], scale=kw["scale"],
                                 cu_seqlens=kw["cu_seqlens"])
-    assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[q.dtype] * HQ // H, **kw)
+    assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[q.dtype] * (HQ // H), **kw)
 
 
 def check_attention(case: Case, out: torch.Tensor) -> None:
+    """Shape, dtype, device, finite values; output and gradients against the oracle."""
     q, v = case.x["q"], case.x["v"]
     B, T, HQ = q.shape[:3]
     assert out.shape == (B, T, HQ, v.shape[-1]), f"output shape {tuple(out.shape)}"
@@ -284,19 +300,26 @@ def check_attention(case: Case, out: torch.Tensor) -> None:
     if out.device.type == "meta":
         return
     assert torch.isfinite(out).all(), "non-finite output"
-    if not 0 < B * T * HQ <= ORACLE_ROWS:  # T = 0: see test_empty_sequence_gradients_...
-        return
+    if not 0 < B * T * HQ <= ORACLE_ROWS or case.kw["sel_block"] > ORACLE_BLOCK:
+        return  # empty (T = 0: see test_empty_sequence_gradients_...), or too slow for the oracle
     select_kw = {n: x for n, x in case.kw.items() if n != "window"}
     kw = {n: x for n, x in case.kw.items() if n != "backend"}
     idx = nsa.nsa_select(q, case.x["k_cmp"], **select_kw)
     check_selection(case, idx)
-    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    out, grads = forward_backward(nsa.nsa_attention, case.x, do.to(q.dtype), **case.kw)
-    ref, ref_grads = forward_backward(naive_attention, to_double(case.x), do, selected=idx, **kw)
-    assert_all_rel_close(out, grads, ref, ref_grads, TOL[q.dtype])
+    ref = naive_attention(**to_double(case.x), selected=idx, **kw)
+    assert_rel_close("output", out, ref, TOL[q.dtype])
+    if case.kw["scale"] is None or case.kw["scale"] <= 1:  # else the softmax may saturate, and
+        # its gradient cancel down to rounding noise
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(0),
+                         dtype=torch.float64)
+        out, grads = forward_backward(nsa.nsa_attention, case.x, do.to(q.dtype), **case.kw)
+        ref, ref_grads = forward_backward(naive_attention, to_double(case.x), do, selected=idx,
+                                          **kw)
+        assert_all_rel_close(out, grads, ref, ref_grads, TOL[q.dtype])
 
 
 def check_select(case: Case, idx: torch.Tensor) -> None:
+    """Shape, dtype and device of the index; the selection against the oracle's scores."""
     q, k_cmp = case.x["q"], case.x["k_cmp"]
     B, T = q.shape[:2]
     expected = (B, T, k_cmp.shape[2], case.kw["num_selected"])
@@ -308,6 +331,7 @@ def check_select(case: Case, idx: torch.Tensor) -> None:
 
 def run_case(case: Case) -> None:
     """A correct result for a valid case; a ValueError naming the broken argument otherwise."""
+    event(f"broken: {', '.join(case.broken) or 'nothing'}")
     try:
         result = case.call()
     except ValueError as e:
@@ -318,15 +342,16 @@ def run_case(case: Case) -> None:
     (check_attention if case.op == "attention" else check_select)(case, result)
 
 
-@settings(max_examples=150, **FUZZ)
+@settings(max_examples=400, **FUZZ)
 @given(op_cases("attention", backends=["torch", "auto"], dtypes=FLOATS))
 def test_nsa_attention_fuzzed(case):
     run_case(case)
 
 
-@settings(max_examples=12, **FUZZ)
-@given(op_cases("attention", backends=["triton"], dtypes=LOW, batch=2, length=12, heads=2,
-                group=2, dim=4))
+@needs_interpreter
+@settings(max_examples=30, **FUZZ)
+@given(op_cases("attention", backends=["triton"], dtypes=INTERPRETED, batch=2, length=12, heads=2,
+                group=2, dim=4, large=False))  # see test_triton_rejects_oversized_tiles
 def test_nsa_attention_triton_fuzzed(case):
     run_case(case)
 
@@ -337,9 +362,10 @@ def test_nsa_select_fuzzed(case):
     run_case(case)
 
 
-@settings(max_examples=8, **FUZZ)
-@given(op_cases("select", backends=["triton"], dtypes=LOW, batch=2, length=12, heads=2,
-                group=2, dim=4))
+@needs_interpreter
+@settings(max_examples=15, **FUZZ)
+@given(op_cases("select", backends=["triton"], dtypes=INTERPRETED, batch=2, length=12, heads=2,
+                group=2, dim=4, large=False))
 def test_nsa_select_triton_fuzzed(case):
     run_case(case)
 
@@ -385,11 +411,12 @@ def layer_cases(draw):
     return fields, ()
 
 
-@settings(max_examples=50, **FUZZ)
+@settings(max_examples=80, **FUZZ)
 @given(layer_cases(), st.integers(1, 2), st.integers(0, 12),
        st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), st.integers(0, 2**16))
 def test_attention_layer_fuzzed(fields_broken, B, T, dtype, seed):
     fields, broken = fields_broken
+    event(f"broken: {', '.join(broken) or 'nothing'}")
     try:
         config = AttentionConfig(**fields)
     except ValueError as e:
@@ -416,8 +443,9 @@ SPELLINGS = {bool: ["true", "False", "1", "0", "yes", "NO", "on", "off"]}
 
 
 @st.composite
-def typed_value(draw, hint):
-    """(text, value) for a value of type ``hint`` (int, float, bool, str or an Optional)."""
+def typed_value(draw, hint, current):
+    """(text, value) for a value of type ``hint`` (int, float, bool, str or an Optional); ints
+    often near the preset's ``current`` value, to build more configs."""
     options = typing.get_args(hint) or (hint,)
     if type(None) in options and draw(st.booleans()):
         return draw(st.sampled_from(["none", "None", "null"])), None
@@ -426,17 +454,18 @@ def typed_value(draw, hint):
         text = draw(st.sampled_from(SPELLINGS[bool]))
         return text, text.lower() in ("true", "1", "yes", "on")
     if kind is int:
-        value = draw(st.integers(-5, 5000))
+        near = [2 * current, current + 1] if isinstance(current, int) else []
+        value = draw(st.one_of(*map(st.just, near), st.integers(-5, 5000)))
         return draw(st.sampled_from(["", " "])) + str(value), value
     if kind is float:
-        value = draw(st.floats(-10.0, 1e4))
+        value = draw(st.floats(-10.0, 1e4) | st.sampled_from([math.inf, -math.inf, math.nan]))
         return repr(value), value
     text = draw(st.text(max_size=8).map(str.strip))
     return text, text
 
 
 @st.composite
-def override_items(draw):
+def override_items(draw, preset: str):
     """(item, field name, expected value or ..., names an error must contain or None).
 
     ``...`` marks a field whose value is random text; the error names are set for items that
@@ -444,7 +473,7 @@ def override_items(draw):
     name = draw(st.sampled_from(sorted(HINTS)))
     cls, hint = HINTS[name]
     section = "model" if cls is ModelConfig else "train"
-    kind = draw(st.sampled_from(["typed", "typed", "text", "prefix", "unknown", "malformed"]))
+    kind = draw(st.sampled_from(["typed"] * 3 + ["text", "prefix", "unknown", "malformed"]))
     if kind == "unknown":
         key = draw(st.sampled_from(["", "lr_max", "model.lr" if section == "train" else "train.dim",
                                     "optim." + name, "model.train." + name, "dims"]))
@@ -454,21 +483,26 @@ def override_items(draw):
         return item, None, None, (repr(item),)
     if kind == "text":
         return f"{name}={draw(st.text(max_size=10))}", name, ..., None
-    text, value = draw(typed_value(hint))
+    defaults = (MODEL_PRESETS if cls is ModelConfig else TRAIN_PRESETS).get(preset)
+    text, value = draw(typed_value(hint, getattr(defaults, name, None)))
     key = f"{section}.{name}" if kind == "prefix" else name
     return f" {key} ={text}", name, value, None
 
 
-@settings(max_examples=300, **FUZZ)
-@given(st.sampled_from([*TRAIN_PRESETS, "huge"]), st.lists(override_items(), max_size=4))
-def test_build_config_fuzzed(preset, items):
+@settings(max_examples=500, **FUZZ)
+@given(st.sampled_from([*TRAIN_PRESETS] * 3 + ["huge"]).flatmap(
+    lambda preset: st.tuples(st.just(preset), st.lists(override_items(preset), max_size=3))))
+def test_build_config_fuzzed(preset_items):
+    preset, items = preset_items
     overrides = [item for item, *_ in items]
     certain = [err for *_, err in items if err is not None]
     try:
         config = build_config(preset, overrides)
+        event("built")
     except ValueError as e:
+        event("ValueError")
         names = [repr(preset), *(n for _, n, _, _ in items if n), *sum(certain, ())]
-        message = str(e)
+        message = str(e)  # quoted names (a preset, a key, an item) may hold any characters
         assert any(n in message for n in names if "'" in n) or names_one_of(message, names), (
             f"{e!r} names none of {names}")
         return
@@ -478,7 +512,7 @@ def test_build_config_fuzzed(preset, items):
     for name, value in last.items():
         got = getattr(config.model if HINTS[name][0] is ModelConfig else config.train, name)
         if value is not ... and not (name == "seq_len" and value is None):
-            assert got == value and type(got) is type(value), f"{name}: {got!r} != {value!r}"
+            assert repr(got) == repr(value), f"{name}: {got!r} != {value!r}"  # type, nan
     for f in TrainConfig.__dataclass_fields__:
         value = getattr(config.train, f)
         assert not isinstance(value, float) or math.isfinite(value), f"train.{f} = {value}"
@@ -486,38 +520,60 @@ def test_build_config_fuzzed(preset, items):
 
 
 # ---------------------------------------------------------------------------------------------
-# Known gaps: found by the fuzzing above, outside the files this suite may change
+# Bugs the fuzzing above found (fixed): regression tests
 # ---------------------------------------------------------------------------------------------
 
 LAYER_BASE = dict(dim=8, num_heads=2, num_kv_heads=1, head_dim_k=4, head_dim_v=4, cmp_block=4,
                   cmp_stride=2, sel_block=4, num_selected=2, window=3, backend="torch")
-UNVALIDATED = [  # AttentionConfig fields that are not checked (TypeError, RuntimeError, NaN)
-    ("dim", "8"), ("dim", 8.5), ("num_heads", None), ("head_dim_v", 2.0), ("dim", True),
+# AttentionConfig fields that were not checked: TypeError or RuntimeError when the layer was
+# built, or (rope_base <= 0, nan) NaN outputs.
+INVALID_LAYER_FIELDS = [
+    ("dim", "8"), ("dim", 8.5), ("dim", True), ("num_heads", None), ("head_dim_v", 2.0),
     ("rope_base", 0.0), ("rope_base", -1.0), ("rope_base", math.nan), ("rope_base", "x"),
     ("compressor_hidden", -1), ("compressor_hidden", 2.5),
 ]
+# ModelConfig overrides build_config accepted, and that failed or gave NaN once the model ran.
+INVALID_MODEL_OVERRIDES = ["rope_base=nan", "rope_base=0", "norm_eps=nan", "norm_eps=-1", "mlp_hidden=-1",
+              "compressor_hidden=-4"]
 
 
-@pytest.mark.xfail(strict=True, reason="AttentionConfig does not validate these fields yet")
-@pytest.mark.parametrize("name,value", UNVALIDATED, ids=[f"{n}={v!r}" for n, v in UNVALIDATED])
-def test_unvalidated_layer_fields_raise(name, value):
+@pytest.mark.parametrize("name,value", INVALID_LAYER_FIELDS, ids=[f"{n}={v!r}" for n, v in INVALID_LAYER_FIELDS])
+def test_layer_fields_are_validated(name, value):
     with pytest.raises(ValueError, match=name):
         AttentionConfig(**dict(LAYER_BASE, **{name: value}))
 
 
-@pytest.mark.xfail(strict=True, reason="the PyTorch backend cannot reshape an empty batch")
+@pytest.mark.parametrize("override", INVALID_MODEL_OVERRIDES)
+def test_model_overrides_are_validated(override):
+    with pytest.raises(ValueError, match=override.partition("=")[0]):
+        build_config("tiny", [override])
+
+
 def test_empty_batch_torch_backend():
     x = make_inputs(0, 5, 2, 1, 4, 4, cmp_block=4, cmp_stride=2)
     out = nsa.nsa_attention(*(x[n] for n in TENSORS[:6]), cmp_block=4, cmp_stride=2,
-                            sel_block=4, num_selected=2, window=3, backend="torch")
+                            sel_block=4, num_selected=2, num_local=1, window=3, backend="torch")
     assert out.shape == (0, 5, 2, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="the PyTorch backend's output for T = 0 has no grad_fn")
 def test_empty_sequence_gradients_torch_backend():
     x = make_inputs(1, 0, 2, 1, 4, 4, cmp_block=4, cmp_stride=2)
     x = {n: t.requires_grad_() for n, t in x.items()}
     out = nsa.nsa_attention(*(x[n] for n in TENSORS[:6]), cmp_block=4, cmp_stride=2,
-                            sel_block=4, num_selected=2, window=3, backend="torch")
+                            sel_block=4, num_selected=2, num_local=1, window=3, backend="torch")
     out.sum().backward()
     assert x["q"].grad.shape == x["q"].shape
+
+
+@needs_interpreter
+@pytest.mark.parametrize("op", ["attention", "select"])
+def test_triton_rejects_oversized_tiles(op):
+    """sel_block = 2**15 makes a [64 rows, 2**15] tile, over Triton's 2**20 elements."""
+    p = dict(cmp_block=2, cmp_stride=1, sel_block=2**15, num_selected=1, num_init=0,
+             num_local=0)
+    x = make_inputs(1, 5, 2, 1, 4, 4, dtype=torch.float32, **p)
+    with pytest.raises(ValueError, match="sel_block"):
+        if op == "select":
+            nsa.nsa_select(x["q"], x["k_cmp"], backend="triton", **p)
+        else:
+            nsa.nsa_attention(*(x[n] for n in TENSORS[:6]), window=3, backend="triton", **p)

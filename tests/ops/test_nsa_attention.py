@@ -144,7 +144,7 @@ def test_low_precision_matches_float64_with_same_blocks(B, T, HQ, H, Dk, Dv, p, 
     do = _grad_out(x)
     idx = nsa.nsa_select(x["q"], x["k_cmp"], **select_params(p))
     scores = naive_group_scores(x["q"].double(), x["k_cmp"].double(), **score_params(p))
-    assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[dtype] * HQ // H, **p)
+    assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[dtype] * (HQ // H), **p)
     out, grads = forward_backward(nsa.nsa_attention, x, do, **p)
     assert out.dtype == dtype
     for name, g in grads.items():
