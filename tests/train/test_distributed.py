@@ -1,42 +1,30 @@
 """DDP and FSDP2 under torchrun with 2 CPU processes (gloo) against one process, resume at a
 different world size, and a diverging run stopping without saving."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import nsa
 from nsa.train import build_config, train
 from nsa.train.checkpoint import latest_checkpoint, read_trainer_state
-from nsa.train.metrics import METRICS, read_metrics
 from nsa.train.trainer import TrainingDiverged
+from tests.train.processes import SMALL_RUN, losses, run
 
-REPO = Path(nsa.__file__).parents[1]
-# Two layers (FSDP shards each block and the root), global batch 4 = 2 ranks x 2 rows.
-RUN = ["--preset", "tiny", "dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=1",
-       "head_dim_k=16", "head_dim_v=16", "seq_len=32", "batch_size=4", "grad_accum=2",
-       "eval_steps=2", "eval_interval=2", "checkpoint_interval=2", "log_interval=1",
-       "sample_tokens=0", "num_threads=1"]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
+RUN = [*SMALL_RUN, "grad_accum=2", "eval_interval=2"]
 
 
 def run_single(run_dir: Path, *overrides: str) -> dict[int, float]:
-    subprocess.run([sys.executable, "-m", "nsa.train", *RUN, f"run_dir={run_dir}", *overrides],
-                   check=True, cwd=REPO, capture_output=True, timeout=300)
+    result = run([sys.executable, "-m", "nsa.train", *RUN, f"run_dir={run_dir}", *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
     return losses(run_dir)
 
 
 def run_two_ranks(run_dir: Path, *overrides: str) -> dict[int, float]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", "-m", "nsa.train", *RUN, f"run_dir={run_dir}",
-               *overrides]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node", "2", "-m", "nsa.train", *RUN, f"run_dir={run_dir}",
+                  *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
     return losses(run_dir)
 
@@ -58,9 +46,8 @@ def test_two_ranks_match_one_process_and_resume_on_one(tmp_path, single_run, par
     assert (state["step"], state["world_size"], len(state["data"])) == (4, 2, 2)
 
     # The 2-rank checkpoint continues in one process, on the same batches.
-    resumed = subprocess.run(
-        [sys.executable, "-m", "nsa.train", *RUN, f"run_dir={tmp_path}", "max_steps=6",
-         "--resume"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = run([sys.executable, "-m", "nsa.train", *RUN, f"run_dir={tmp_path}", "max_steps=6",
+                   "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = losses(tmp_path)
     for step in (5, 6):

@@ -4,14 +4,12 @@ checkpoint write, a corrupted checkpoint, an unwritable or full disk. Each test 
 nothing is lost: the run resumes exactly, stops cleanly, or fails before it starts."""
 
 import errno
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
-import nsa
 from nsa.train import build_config, train
 from nsa.train.checkpoint import (
     CheckpointCorrupted,
@@ -21,23 +19,11 @@ from nsa.train.checkpoint import (
     latest_checkpoint,
     verify_checkpoint,
 )
-from nsa.train.metrics import METRICS, read_metrics
 from nsa.train.watchdog import STALL_EXIT_CODE, stall_path
+from tests.train.processes import SMALL_RUN, losses, run
 
-REPO = Path(nsa.__file__).parents[1]
 RUNNER = Path(__file__).with_name("fault_runner.py")
-RUN = ["--preset", "tiny", "dim=32", "num_layers=2", "num_heads=2", "num_kv_heads=1",
-       "head_dim_k=16", "head_dim_v=16", "seq_len=32", "batch_size=4", "eval_steps=2",
-       "eval_interval=100", "checkpoint_interval=2", "log_interval=1", "sample_tokens=0",
-       "num_threads=1", "max_steps=8"]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
-
-
-def run(command, timeout=300):
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+RUN = [*SMALL_RUN, "eval_interval=100", "max_steps=8"]
 
 
 def torchrun(*args, restarts=0, monitor=None):
