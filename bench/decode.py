@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nsa.models import LanguageModel, model_preset
-from nsa.models.decoding import stream_tokens
+from nsa.models.decoding import capture_cuda_graph, stream_tokens
 from nsa.ops import NSAParams
 from nsa.ops.decode import nsa_decode, tokens_read
 
@@ -45,15 +45,7 @@ def copy_bandwidth() -> float:
 
 def graphed(fn):
     """fn() captured in a CUDA graph; returns the replay function."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture_cuda_graph(fn)[0].replay
 
 
 def step_inputs(T: int, B: int, HQ: int, H: int, D: int):

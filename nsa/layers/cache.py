@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nsa.ops.decode import window_ring_positions
+
 
 @dataclass
 class NSACache:
@@ -52,9 +54,7 @@ def write_at(buffer: torch.Tensor, index: torch.Tensor, value: torch.Tensor,
 def ring_from_prefix(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
     """A ring buffer [B, size, ...] of the first ``lengths[b]`` positions of ``x`` [B, P, ...]:
     slot j holds the latest position p < lengths[b] with p ≡ j (mod size), zeros where none."""
-    j = torch.arange(size, device=x.device)
-    last = lengths[:, None] - 1
-    positions = last - (last - j) % size  # [B, size]
+    positions = window_ring_positions(lengths - 1, size)  # [B, size]
     valid = positions >= 0
     index = positions.clamp_min(0).view(*positions.shape, *([1] * (x.dim() - 2)))
     ring = torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:]))

@@ -9,6 +9,23 @@ import torch
 from nsa.models.transformer import LanguageModel, ModelCache, sample_token
 
 
+def capture_cuda_graph(fn, reset=lambda: None):
+    """Record ``fn()`` in a CUDA graph -> (graph, fn's output, whose memory every replay
+    rewrites). ``fn`` is run twice first on a side stream, as capture requires; ``reset()``
+    after each of those runs undoes any state they changed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            reset()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()  # recorded, not run: no state to reset
+    return graph, output
+
+
 class GraphedDecodeStep:
     """``model.decode_step`` captured once in a CUDA graph and replayed for every token: one
     launch per step instead of hundreds of small ones. The cache's buffers are the graph's
@@ -17,19 +34,10 @@ class GraphedDecodeStep:
     def __init__(self, model: LanguageModel, cache: ModelCache):
         self.tokens = torch.zeros_like(cache.lengths)
         lengths = cache.lengths.clone()
-        # Warm up on a side stream (as capture requires). The warm-up writes keys/values at the
-        # current positions; restoring the lengths makes the next real step overwrite them.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model.decode_step(self.tokens, cache)
-                cache.lengths.copy_(lengths)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model.decode_step(self.tokens, cache)
-        cache.lengths.copy_(lengths)  # capture records the increment without running it
+        # The warm-up runs write keys/values at the current positions and advance the lengths;
+        # restoring the lengths makes the next real step overwrite what they wrote.
+        self.graph, self.logits = capture_cuda_graph(
+            lambda: model.decode_step(self.tokens, cache), lambda: cache.lengths.copy_(lengths))
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)

@@ -13,32 +13,14 @@ from __future__ import annotations
 import torch
 
 from nsa.ops.attention import _resolve_backend
-from nsa.ops.params import NSAParams
-from nsa.ops.torch_backend import _compute_dtype, select_blocks
-
-
-def _attend(q, k, v, mask, scale):
-    """Softmax attention of q [B, H, 1, G, Dk] (float32/64) over k [B, H, 1, S, Dk],
-    v [B, H, 1, S, Dv] in the cache's dtype (not copied to float32: products in the cache dtype,
-    scores and softmax in q's), restricted to ``mask`` (broadcast to [B, H, 1, G, S]); rows with
-    no visible key give 0. Returns (out [B, H, 1, G, Dv] in q's dtype, probabilities)."""
-    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype) * scale
-    if scores.shape[-1] == 0:  # an empty cache (e.g. no compressed token fits in it)
-        return torch.matmul(scores, v.to(q.dtype)), scores
-    scores = scores.masked_fill(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)
-    denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return torch.matmul(probs.to(v.dtype), v).to(q.dtype), probs
+from nsa.ops.params import NSAParams, compressed_lengths
+from nsa.ops.torch_backend import _compute_dtype, masked_attention, top_blocks
 
 
 def visible_compressed(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
-    """[B] number of compressed tokens a query at ``pos`` sees: those with i·d + l - 1 <= pos."""
-    return torch.where(pos >= params.cmp_block - 1,
-                       (pos - params.cmp_block + 1) // params.cmp_stride + 1,
-                       torch.zeros_like(pos))
+    """[B] number of compressed tokens a query at ``pos`` sees: those with i·d + l - 1 <= pos,
+    i.e. the compressed length of its first pos + 1 tokens."""
+    return compressed_lengths(pos + 1, params.cmp_block, params.cmp_stride)
 
 
 def window_ring_positions(pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -89,14 +71,9 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
     # Compressed branch (its probabilities score the blocks).
     C = k_cmp.shape[1]
     cmp_mask = (torch.arange(C, device=q.device) < visible_compressed(pos, params)[:, None])
-    o_cmp, p_cmp = _attend(qh, heads_first(k_cmp), heads_first(v_cmp),
-                           cmp_mask.view(B, 1, 1, 1, C), scale)
-
-    # Selection: the queries of the batch go where select_blocks expects a chunk's queries.
-    num_blocks = -(-S // params.sel_block)
-    p_chunk = p_cmp.view(B, H, G, C).permute(1, 2, 0, 3).unsqueeze(0)  # [1, H, G, B, C]
-    blocks = select_blocks(p_chunk, torch.arange(C, device=q.device), pos, params,
-                           num_blocks)[0].transpose(0, 1)  # [B, H, n]
+    o_cmp, p_cmp = masked_attention(qh, heads_first(k_cmp), heads_first(v_cmp),
+                                    cmp_mask.view(B, 1, 1, 1, C), scale)
+    blocks = select_from_probs(p_cmp.view(B, H, G, C).sum(2), pos, S, params)  # [B, H, n]
     offsets = torch.arange(params.sel_block, device=q.device)
     key_pos = (blocks[..., None] * params.sel_block + offsets).flatten(2)  # [B, H, n·l']
     slc_mask = (blocks[..., None] >= 0).expand(-1, -1, -1, params.sel_block).flatten(2)
@@ -105,8 +82,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
     k_slc = torch.gather(k.permute(0, 2, 1, 3), 2, index[..., None].expand(-1, -1, -1, Dk))
     v_slc = torch.gather(v.permute(0, 2, 1, 3), 2,
                          index[..., None].expand(-1, -1, -1, v.shape[-1]))
-    o_slc, _ = _attend(qh, k_slc.unsqueeze(2), v_slc.unsqueeze(2), slc_mask[:, :, None, None, :],
-                       scale)
+    o_slc, _ = masked_attention(qh, k_slc.unsqueeze(2), v_slc.unsqueeze(2),
+                                slc_mask[:, :, None, None, :], scale)
 
     # Window branch: from a ring buffer, or the last w positions of a positional buffer.
     if window_ring:
@@ -121,7 +98,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         index = win_pos.clamp_min(0)[:, :, None, None]
         k_w = heads_first(torch.gather(k_win, 1, index.expand(-1, -1, H, Dk)))
         v_w = heads_first(torch.gather(v_win, 1, index.expand(-1, -1, H, v_win.shape[-1])))
-    o_win, _ = _attend(qh, k_w, v_w, win_mask[:, None, None, None, :], scale)
+    o_win, _ = masked_attention(qh, k_w, v_w, win_mask[:, None, None, None, :], scale)
 
     g = gates.to(dtype).view(B, H, 1, G, 3)
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # [B, H, 1, G, Dv]
@@ -163,22 +140,12 @@ def block_scores_from(p: torch.Tensor, num_blocks: int, params: NSAParams) -> to
     return windows @ weight
 
 
-def select_top_blocks(score: torch.Tensor, pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
-    """[B, H, n] int32 blocks (ascending, -1 padded) from scores [B, H, NB] for queries at
-    ``pos`` [B]: forced blocks first, then the highest scores, ties to the lower index."""
-    NB = score.shape[-1]
-    blocks = torch.arange(NB, device=score.device)
-    current = (pos // params.sel_block)[:, None, None]  # [B, 1, 1]
-    candidate = blocks <= current
-    forced = candidate & ((blocks < params.num_init) | (blocks > current - params.num_local))
-    bits = torch.where(forced, float("inf"), score.float().clamp_min(0)).view(torch.int32)
-    key = (bits.long() << 32) | (2**31 - 1 - blocks)
-    key = torch.where(candidate, key, -1)
-    top = torch.topk(key, min(params.num_selected, NB), dim=-1).values
-    chosen = torch.where(top >= 0, 2**31 - 1 - (top & 0xFFFFFFFF), 2**31 - 1)
-    chosen = torch.sort(chosen, dim=-1).values
-    chosen = torch.where(chosen == 2**31 - 1, -1, chosen).to(torch.int32)
-    return torch.nn.functional.pad(chosen, (0, params.num_selected - chosen.shape[-1]), value=-1)
+def select_from_probs(p: torch.Tensor, pos: torch.Tensor, capacity: int,
+                      params: NSAParams) -> torch.Tensor:
+    """[B, H, n] selected blocks of queries at ``pos`` [B] from their group's compressed
+    probabilities p [B, H, C], for a cache of ``capacity`` positions."""
+    scores = block_scores_from(p, -(-capacity // params.sel_block), params)  # [B, H, NB]
+    return top_blocks(scores, (pos // params.sel_block)[:, None, None], params)
 
 
 def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None, *,
@@ -186,6 +153,7 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     """:func:`nsa_decode` with Triton kernels (CUDA tensors, or the Triton interpreter)."""
     import triton
 
+    from nsa.ops.triton.attention import _num_sms
     from nsa.ops.triton.decode import _decode_cmp_kernel, _decode_sparse_kernel
 
     B, HQ, Dk = q.shape
@@ -203,7 +171,8 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
                 IEEE=q.dtype == torch.float32)
     scale_log2 = scale * 1.4426950408889634
     # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
-    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(264, B * H)))
+    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * _num_sms(q.device),
+                                                                   B * H)))
     chunk = triton.cdiv(max(C, 1), splits * DECODE_BLOCK_N) * DECODE_BLOCK_N
     splits = triton.cdiv(max(C, 1), chunk)
     scores = torch.empty(B, HQ, max(C, 1), **f32)
@@ -218,9 +187,7 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     visible = torch.arange(scores.shape[-1], device=q.device) < visible_compressed(pos, params)[
         :, None, None]
     p = torch.where(visible, torch.exp2(scores - lse[..., None]), 0.0)[..., :C]
-    NB = -(-S // params.sel_block)
-    idx = select_top_blocks(block_scores_from(p.view(B, H, G, C).sum(2), NB, params), pos,
-                            params)  # [B, H, n]
+    idx = select_from_probs(p.view(B, H, G, C).sum(2), pos, S, params)  # [B, H, n]
     # Selected blocks and window chunks, one split each.
     block_s = max(16, triton.next_power_of_2(params.sel_block))
     win_splits = triton.cdiv(min(params.window, k_win.shape[1]), block_s)

@@ -51,11 +51,13 @@ def masked_attention(q, k, v, mask, scale):
     """Softmax attention restricted to ``mask``; rows with no visible key give 0.
 
     q [B, H, G, C, Dk], k [B, H, 1, S, Dk], v [B, H, 1, S, Dv], mask broadcastable to
-    [B, H, G, C, S]. Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, S]).
+    [B, H, G, C, S]. Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, S]), in q's
+    dtype. Keys and values may be in a lower precision than q (a decode step's cache): the
+    products then run in theirs, scores and softmax in q's.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype) * scale
     if scores.shape[-1] == 0:  # no key in range (e.g. no compressed token yet)
-        return torch.matmul(scores, v), scores
+        return torch.matmul(scores, v.to(q.dtype)), scores
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -63,7 +65,7 @@ def masked_attention(q, k, v, mask, scale):
     denom = weights.sum(dim=-1, keepdim=True)
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     probs = weights / denom
-    return torch.matmul(probs, v), probs
+    return torch.matmul(probs.to(v.dtype), v).to(q.dtype), probs
 
 
 def block_overlap(cmp_idx: torch.Tensor, num_blocks: int, params: NSAParams, dtype) -> torch.Tensor:
@@ -86,9 +88,17 @@ def select_blocks(p_cmp, cmp_idx, pos, params: NSAParams, num_blocks: int) -> to
     """
     group_p = p_cmp.sum(dim=2)  # [B, H, C, Nc]
     score = torch.matmul(group_p, block_overlap(cmp_idx, num_blocks, params, group_p.dtype))
-    blocks = torch.arange(num_blocks, device=pos.device)  # [NB]
-    current = (pos // params.sel_block).unsqueeze(1)  # [C, 1]
-    candidate = blocks <= current  # [C, NB]
+    return top_blocks(score, (pos // params.sel_block).unsqueeze(1), params)
+
+
+@torch.no_grad()
+def top_blocks(score: torch.Tensor, current: torch.Tensor, params: NSAParams) -> torch.Tensor:
+    """The spec's top-n from block scores [..., NB] of queries whose own block is ``current``
+    (broadcastable to score[..., :1]): the forced blocks, then the highest scores, ties to the
+    lower index. Returns [..., n] int64, ascending, padded at the end with -1."""
+    num_blocks = score.shape[-1]
+    blocks = torch.arange(num_blocks, device=score.device)  # [NB]
+    candidate = blocks <= current
     forced = candidate & ((blocks < params.num_init) | (blocks > current - params.num_local))
     key = torch.where(forced, torch.full_like(score, float("inf")), score)
     key = torch.where(candidate, key, torch.full_like(score, float("-inf")))

@@ -229,9 +229,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(dir_fd)
 
 
-def export_model(checkpoint: Path, out: Path) -> Path:
-    """One file with the model's config and weights (no optimizer), from a DCP checkpoint;
-    :func:`load_exported` reads it. Runs in a single process."""
+def model_from_checkpoint(checkpoint: Path):
+    """(config, model on the CPU with the checkpoint's weights, step); one process."""
     from nsa.models import LanguageModel
 
     verify_checkpoint(checkpoint)
@@ -239,7 +238,14 @@ def export_model(checkpoint: Path, out: Path) -> Path:
     config = RunConfig.from_dict(state["config"])
     model = LanguageModel(config.model)
     load_model_weights(checkpoint, model)
-    atomic_save({"format": EXPORT_FORMAT, "step": state["step"], "config": config.to_dict(),
+    return config, model, state["step"]
+
+
+def export_model(checkpoint: Path, out: Path) -> Path:
+    """One file with the model's config and weights (no optimizer), from a DCP checkpoint;
+    :func:`load_exported` reads it. Runs in a single process."""
+    config, model, step = model_from_checkpoint(checkpoint)
+    atomic_save({"format": EXPORT_FORMAT, "step": step, "config": config.to_dict(),
                  "model": model.state_dict()}, out)
     return out
 
@@ -262,10 +268,7 @@ def load_model(path: Path):
         model = LanguageModel(config.model)
         model.load_state_dict(weights)
         return config, model
-    checkpoint = latest_checkpoint(path)
-    config = RunConfig.from_dict(read_trainer_state(checkpoint)["config"])
-    model = LanguageModel(config.model)
-    load_model_weights(checkpoint, model)
+    config, model, _ = model_from_checkpoint(latest_checkpoint(path))
     return config, model
 
 

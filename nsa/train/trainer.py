@@ -120,8 +120,8 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
         f"{ctx.world_size} x {device.type} ({t.parallel}) with {torch.get_num_threads()} "
         f"threads; {tokens_per_step:,} tokens/step; steps {start} -> {t.max_steps}; "
         f"run_dir {run_dir}", flush=True)
-    metrics = MetricsLog(run_dir, start, tensorboard=t.tensorboard and ctx.is_main,
-                         wandb_project=t.wandb_project if ctx.is_main else None,
+    metrics = MetricsLog(run_dir, start, tensorboard=t.tensorboard,
+                         wandb_project=t.wandb_project,
                          wandb_config=config.to_dict()) if ctx.is_main else None
     progress = Progress(start, t.max_steps) if ctx.is_main else None
     throughput = Throughput(tokens_per_step)
