@@ -110,13 +110,23 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32)
+        # Decoding enters blocks and the root through methods other than forward: FSDP must
+        # gather their parameters around those calls too.
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
+            for method in ("prefill", "decode"):
+                register_fsdp_forward_method(block, method)
         fully_shard(model, mp_policy=policy)
+        for method in ("prefill", "decode_step"):
+            register_fsdp_forward_method(model, method)
     return model
 
 

@@ -22,10 +22,12 @@ def run_single(run_dir: Path, *overrides: str) -> dict[int, float]:
 
 
 def run_two_ranks(run_dir: Path, *overrides: str) -> dict[int, float]:
+    """A 2-rank run that ends, as users' runs do, with a sample (prefill + decode steps)."""
     result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc_per_node", "2", "-m", "nsa.train", *RUN, f"run_dir={run_dir}",
-                  *overrides])
+                  "sample_tokens=12", *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "final val loss" in result.stdout
     return losses(run_dir)
 
 
