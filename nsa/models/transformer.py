@@ -103,10 +103,14 @@ class LanguageModel(nn.Module):
     def new_cache(self, batch: int, capacity: int | None = None, device=None,
                   dtype=None) -> ModelCache:
         """Empty caches for ``batch`` sequences of up to ``capacity`` (default max_seq_len)
-        tokens, in the dtype of the model's weights unless given."""
+        tokens, in the dtype keys and values are computed in unless given: the autocast dtype
+        when autocast is on for the device (bf16 keys, half the bytes a step reads), else the
+        dtype of the model's weights."""
         capacity = capacity or self.config.max_seq_len
-        device = device or self.embed.weight.device
-        dtype = dtype or self.embed.weight.dtype
+        device = torch.device(device or self.embed.weight.device)
+        if dtype is None:
+            dtype = (torch.get_autocast_dtype(device.type)
+                     if torch.is_autocast_enabled(device.type) else self.embed.weight.dtype)
         layers = [block.attn.new_cache(batch, capacity, device, dtype) for block in self.blocks]
         return ModelCache(torch.zeros(batch, dtype=torch.long, device=device), layers)
 

@@ -162,13 +162,20 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     scale = Dk**-0.5 if scale is None else scale
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
-    q, k, v, k_cmp, v_cmp, k_win, v_win = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp,
-                                                                   k_win, v_win))
+    cache = (k, v, k_cmp, v_cmp, k_win, v_win)
+    if len({x.dtype for x in cache}) > 1:
+        raise ValueError("k, v, k_cmp, v_cmp, k_win and v_win must share one dtype, got "
+                         f"{[str(x.dtype) for x in cache]}")
+    # Products in the cache's dtype (as the PyTorch path): a query from bf16 autocast meets a
+    # float32 cache, or the reverse. The output keeps the query's dtype.
+    out_dtype = q.dtype
+    q = q.to(k.dtype)
+    q, k, v, k_cmp, v_cmp, k_win, v_win = (x.contiguous() for x in (q, *cache))
     pos = pos.contiguous()
     f32 = dict(dtype=torch.float32, device=q.device)
     pow2 = lambda x: max(16, triton.next_power_of_2(x))  # noqa: E731
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_G=pow2(G), BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-                IEEE=q.dtype == torch.float32)
+                IEEE=k.dtype == torch.float32)
     scale_log2 = scale * 1.4426950408889634
     # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
     splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * _num_sms(q.device),
@@ -205,7 +212,7 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     o_win, _ = merge_partials(m[..., n:], l[..., n:], acc[..., n:, :])
     g = gates.float()
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-    return out.to(q.dtype)
+    return out.to(out_dtype)
 
 
 def tokens_read(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:

@@ -13,10 +13,11 @@ SMALL = dict(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=5)
 T = 41
 
 
-def model_for(num_heads, num_kv_heads, attention="nsa", kv_sharing="independent", **params):
+def model_for(num_heads, num_kv_heads, attention="nsa", kv_sharing="independent",
+              backend="torch", **params):
     config = ModelConfig(vocab_size=50, dim=32, num_layers=2, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim_k=8, head_dim_v=6, max_seq_len=64,
-                         attention=attention, kv_sharing=kv_sharing, backend="torch",
+                         attention=attention, kv_sharing=kv_sharing, backend=backend,
                          **{**SMALL, **params})
     torch.manual_seed(0)
     return LanguageModel(config).double().eval()
@@ -111,9 +112,11 @@ CUDA = torch.cuda.is_available()
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_decode_with_triton_prefill_and_cuda_graph():
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_gpu_decode_with_triton_prefill_and_cuda_graph(autocast):
     """On the GPU: prefill with the Triton kernels, decode eagerly and as a CUDA graph; both
-    equal the (Triton) full forward in float32."""
+    equal the (Triton) full forward, in float32 and, as the trainer samples, with float32
+    weights under bf16 autocast (bf16 queries and cache); ``generate`` runs in both."""
     from nsa.models.decoding import GraphedDecodeStep
 
     config = ModelConfig(vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
@@ -122,18 +125,45 @@ def test_gpu_decode_with_triton_prefill_and_cuda_graph():
     torch.manual_seed(0)
     model = LanguageModel(config).cuda().eval()
     tokens = torch.randint(0, 50, (2, 200), device="cuda")
-    with torch.no_grad():
-        full = model(tokens)
+    tolerance = 5e-2 if autocast else 1e-3
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        full = model(tokens).float()
         for graph in (False, True):
             cache = model.new_cache(2, 200)
+            assert cache.layers[0].k.dtype == (torch.bfloat16 if autocast else torch.float32)
             model.prefill(tokens[:, :60], cache, torch.tensor([37, 60], device="cuda"))
             step = GraphedDecodeStep(model, cache) if graph else (
                 lambda t, c=cache: model.decode_step(t, c))
             for _ in range(120):
                 pos = cache.lengths.clone()
-                logits = step(tokens[torch.arange(2, device="cuda"), pos])
+                logits = step(tokens[torch.arange(2, device="cuda"), pos]).float()
                 for b in range(2):
-                    torch.testing.assert_close(logits[b], full[b, pos[b]], rtol=1e-3, atol=1e-3)
+                    torch.testing.assert_close(logits[b], full[b, pos[b]], rtol=tolerance,
+                                               atol=tolerance)
+        generated = model.generate(tokens[:, :20], 30, top_k=5)
+    assert generated.shape == (2, 50) and bool((generated < 50).all())
+
+
+def test_autocast_decode_with_triton_kernels():
+    """Float32 weights under half-precision autocast, the Triton kernels: the cache follows
+    the compute dtype, and a decode step meeting a cache of another dtype (a float32 cache,
+    half queries) computes its products in the cache's dtype. bf16 on the GPU; fp16 on the
+    CPU, where the Triton interpreter computes bf16 wrongly (fp16 and fp32 exactly)."""
+    pytest.importorskip("triton")
+    device = "cuda" if CUDA else "cpu"
+    half = torch.bfloat16 if CUDA else torch.float16
+    model = model_for(4, 2, backend="triton").float().to(device)
+    tokens = torch.randint(0, 50, (2, 24), device=device)
+    with torch.no_grad(), torch.autocast(device, half):
+        full = model(tokens).float()
+        for dtype in (None, torch.float32):
+            cache = model.new_cache(2, 24, dtype=dtype)
+            assert cache.layers[0].k.dtype == (dtype or half)
+            model.prefill(tokens[:, :16], cache)
+            for pos in range(16, 24):
+                logits = model.decode_step(tokens[:, pos], cache).float()
+                torch.testing.assert_close(logits, full[:, pos], rtol=5e-2, atol=5e-2)
+        assert model.generate(tokens[:, :4], 6).shape == (2, 10)
 
 
 def test_block_scores_from_equals_the_overlap_matrix():
