@@ -30,6 +30,8 @@ from nsa.ops.triton.selection import (
     _selected_bwd_dkdv_kernel,
     _selected_bwd_dq_kernel,
     _selected_fwd_kernel,
+    _selected_union_dq_kernel,
+    _selected_union_fwd_kernel,
     _sum_segments_kernel,
 )
 
@@ -39,6 +41,9 @@ SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV prog
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
 GATE_ROWS = 16  # rows per program of the gating kernels
+# Groups of at least this many query heads run the selected branch one position per program;
+# smaller ones share block loads between neighbouring positions (bench/NOTES.md, v5).
+PER_POSITION_MIN_G = 8
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
@@ -46,9 +51,11 @@ TUNING = {
     "dense_fwd": dict(rows=128, num_warps=4, num_stages=2),
     "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
     "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
-    "select": dict(rows=32, num_warps=4, num_stages=2),
-    "selected_fwd": dict(rows=64, num_warps=4, num_stages=2),
-    "selected_dq": dict(rows=64, num_warps=4, num_stages=2),
+    "select": dict(rows=64, num_warps=4, num_stages=1),  # rows: positions (heads looped)
+    "selected_fwd": dict(rows=16, num_warps=4, num_stages=2),  # rows: the G heads of a position
+    "selected_dq": dict(rows=16, num_warps=4, num_stages=2),
+    "selected_union_fwd": dict(rows=64, num_warps=4, num_stages=2),
+    "selected_union_dq": dict(rows=64, num_warps=4, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
 }
 
@@ -216,19 +223,24 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
 def select(q, k_cmp, lse_cmp, tables, params, scale):
     """[B, T, H, n] int32 selected blocks (ascending, -1 padded) from the compressed lse."""
     B, T, HQ, H, G, Dk, _ = _common(q, k_cmp, k_cmp)
-    R, launch = _launch("select", G, Dk)
-    num_tiles, start, end, seq_start, cmp_start = tile_table(tables, T, R // G)
+    tuning = TUNING["select"]
+    P = tuning["rows"]
+    num_tiles, start, end, seq_start, cmp_start = tile_table(tables, T, P)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
-    npad = triton.next_power_of_2(params.num_selected)
-    tokens = npad * params.sel_block // params.cmp_stride
+    # Blocks per step: at least the top-n width, and 128 compressed tokens when that is more.
+    tokens_per_block = params.sel_block // params.cmp_stride
+    blocks_per_step = max(triton.next_power_of_2(params.num_selected),
+                          triton.next_power_of_2(max(1, 128 // tokens_per_block)))
+    tokens = blocks_per_step * tokens_per_block
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *_strides(q), *_strides(k_cmp), *lse_cmp.stride()[:2], *_strides(idx),
         H, scale * LOG2E,
-        G=G, DK=Dk, BLOCK_DK=_pow2(Dk), BLOCK_R=R, NUM_SELECTED=params.num_selected, NPAD=npad,
-        TOK=tokens, TOK_PAD=_pow2(tokens), CMP_BLOCK=params.cmp_block,
+        G=G, DK=Dk, BLOCK_DK=_pow2(Dk), BLOCK_P=P, NUM_SELECTED=params.num_selected,
+        BJ=blocks_per_step, TOK=tokens, TOK_PAD=_pow2(tokens), CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
-        NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32, **launch,
+        NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
+        num_warps=tuning["num_warps"], num_stages=1 if _pow2(Dk) > 128 else tuning["num_stages"],
     )
     return idx
 
@@ -236,22 +248,37 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
 def _selected_meta(q, k, v, params):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=_pow2(Dk), BLOCK_DV=_pow2(Dv),
-                NUM_SELECTED=params.num_selected, NPAD=triton.next_power_of_2(params.num_selected),
-                SEL_BLOCK=params.sel_block, BLOCK_S=_pow2(params.sel_block),
-                IEEE=q.dtype == torch.float32)
+                NUM_SELECTED=params.num_selected, SEL_BLOCK=params.sel_block,
+                BLOCK_S=_pow2(params.sel_block), IEEE=q.dtype == torch.float32)
+
+
+def _selected_launch(kind: str, q, k, v, tables, params):
+    """(kernel, grid, leading table arguments, meta) of the selected forward or dq: one
+    program per (position, KV head) for large groups, tiles of positions for small ones."""
+    B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
+    meta = _selected_meta(q, k, v, params)
+    if G >= PER_POSITION_MIN_G:
+        tuning = TUNING[f"selected_{kind}"]
+        kernel = _selected_fwd_kernel if kind == "fwd" else _selected_bwd_dq_kernel
+        stages = 1 if _pow2(max(Dk, Dv)) > 128 else tuning["num_stages"]
+        return kernel, (T, B * H), (tables.tok_pos,), dict(
+            meta, BLOCK_G=_pow2(G), num_warps=tuning["num_warps"], num_stages=stages)
+    R, launch = _launch(f"selected_union_{kind}", G, max(Dk, Dv))
+    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
+    kernel = _selected_union_fwd_kernel if kind == "fwd" else _selected_union_dq_kernel
+    return kernel, (num_tiles, B * H), (start, end, seq_start), dict(
+        meta, BLOCK_R=R, NPAD=triton.next_power_of_2(params.num_selected), **launch)
 
 
 def selected_forward(q, k, v, idx, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
-    meta = _selected_meta(q, k, v, params)
-    R, launch = _launch("selected_fwd", G, max(Dk, Dv))
-    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    _selected_fwd_kernel[(num_tiles, B * H)](
-        q, k, v, idx, o, lse, start, end, seq_start,
+    kernel, grid, table_args, meta = _selected_launch("fwd", q, k, v, tables, params)
+    kernel[grid](
+        q, k, v, idx, o, lse, *table_args,
         *_strides(q), *_strides(k), *_strides(v), *_strides(idx), *_strides(o),
-        *lse.stride()[:2], H, scale * LOG2E, BLOCK_R=R, **meta, **launch,
+        *lse.stride()[:2], H, scale * LOG2E, **meta,
     )
     return o, lse
 
@@ -295,13 +322,12 @@ def _inverse_index(idx, tables, params):
 def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
-    R, launch = _launch("selected_dq", G, max(Dk, Dv))
-    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
     strides_qkv = (*_strides(q), *_strides(k), *_strides(v))
-    _selected_bwd_dq_kernel[(num_tiles, B * H)](
-        q, k, v, idx, do, lse, delta, dq, start, end, seq_start,
+    kernel, grid, table_args, dq_meta = _selected_launch("dq", q, k, v, tables, params)
+    kernel[grid](
+        q, k, v, idx, do, lse, delta, dq, *table_args,
         *strides_qkv, *_strides(idx), *_strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
+        H, scale * LOG2E, scale, **dq_meta,
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.

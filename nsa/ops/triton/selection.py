@@ -1,15 +1,22 @@
 """Triton kernels for block selection and attention over the selected blocks.
 
-Tiles come from a tile table (``P`` consecutive positions of one sequence each, so a tile never
-straddles two packed sequences); rows are (position, query head) pairs of one KV head.
-
-* ``_select_kernel``: block scores and an online top-n, never writing a score matrix. The
-  compressed probabilities are recomputed from the compressed log-sum-exp, mapped onto
-  ``BJ`` selection blocks at a time (tokens that straddle into the next chunk of blocks are
-  carried), summed over the heads of the group, and merged into a running top-n held as int64
-  keys ``score_bits << 32 | (2^31 - 1 - block)``: larger score first, ties to the lower index.
-* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: attention over the union of the
-  blocks the tile's positions selected; each row only sees its own position's blocks.
+* ``_select_kernel``: one program per (tile of ``BLOCK_P`` consecutive positions of one
+  sequence, KV head). Each step loads ``TOK`` compressed keys once and, for each of the G query
+  heads of the group in turn, recomputes the compressed probabilities from the compressed
+  log-sum-exp and adds them up (the group score is a sum over heads). The group probabilities
+  are mapped onto ``BJ`` selection blocks by a product with the fixed overlap weights (tf32x3:
+  float32 accuracy on the tensor cores); the share of the step's last tokens that falls into
+  the next step's blocks is carried. A running top-n per position is kept as int64 keys
+  ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to the lower index),
+  merged with each step's keys. No score matrix is written: memory is linear in T.
+* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel`` (large G): one program per
+  (position, KV head), the G query heads as rows, iterating only that position's own blocks
+  (its first min(n, candidates) slots: the rest are padding).
+* ``_selected_union_fwd_kernel`` / ``_selected_union_dq_kernel`` (small G): rows are
+  (position, head) pairs of a tile of consecutive positions, which visits the union of its
+  positions' blocks once each, every row seeing only its own position's: neighbouring
+  positions share the loads of common blocks, which per-position programs of one or two
+  heads would each repeat.
 * ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SEGMENT`` entries of a key
   block's list of the positions that selected it (an inverse index built by a sort); long lists
   (the forced first block is chosen by every position) are split so no program runs alone for
@@ -31,6 +38,180 @@ from nsa.ops.triton.common import (
     softmax_step,
     store_tile,
 )
+
+
+MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
+
+
+@triton.jit
+def _select_kernel(
+    Q, KC, LSE, IDX, tile_start, tile_end, tile_seq_start, tile_cmp_start,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_SELECTED: tl.constexpr, BJ: tl.constexpr, TOK: tl.constexpr, TOK_PAD: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
+    tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t0 = tl.load(tile_start + tile)
+    t_end = tl.load(tile_end + tile)
+    seq_start = tl.load(tile_seq_start + tile)
+    cmp_start = tl.load(tile_cmp_start + tile)
+    seq_len = t_end - seq_start
+    num_cmp = tl.where(seq_len >= CMP_BLOCK, (seq_len - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    t = t0 + tl.arange(0, BLOCK_P)
+    row_ok = t < t_end
+    t64 = t.to(tl.int64)
+    pos = t - seq_start
+    current = pos // SEL_BLOCK  # [P] block of the query itself
+    dk = tl.arange(0, BLOCK_DK)
+    # Overlap (/ l) of compressed token a of a step with block c of the step and with block c
+    # of the next step.
+    a = tl.arange(0, TOK_PAD)
+    c = tl.arange(0, BJ)
+    tok_lo = (a * CMP_STRIDE)[:, None]
+    blk_lo = (c * SEL_BLOCK)[None, :]
+    here = tl.minimum(tok_lo + CMP_BLOCK, blk_lo + SEL_BLOCK) - tl.maximum(tok_lo, blk_lo)
+    nxt = (tl.minimum(tok_lo + CMP_BLOCK, blk_lo + BJ * SEL_BLOCK + SEL_BLOCK)
+           - tl.maximum(tok_lo, blk_lo + BJ * SEL_BLOCK))
+    tok_ok = (a < TOK)[:, None]
+    w_here = tl.where(tok_ok, tl.maximum(here, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+    w_next = tl.where(tok_ok, tl.maximum(nxt, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+    q_rows = Q + b * stride_qb + t64 * stride_qt + h * G * stride_qh
+    lse_rows = LSE + b * stride_lb + t64 * stride_lt + h * G
+    carry = tl.zeros([BLOCK_P, BJ], tl.float32)
+    best = tl.full([BLOCK_P, BJ], -1, tl.int64)
+    num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
+    for j0 in range(0, num_blocks, BJ):
+        i_loc = j0 * (SEL_BLOCK // CMP_STRIDE) + a  # compressed index within the sequence
+        k_ok = (a < TOK) & (i_loc < num_cmp)
+        kc = load_tile(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64) * stride_kt
+                       + h * stride_kh, k_ok, DK, BLOCK_DK)
+        visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
+        p = tl.zeros([BLOCK_P, TOK_PAD], tl.float32)  # group probabilities, summed over heads
+        for g in range(G):
+            q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
+            lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
+            scores = dot(q, tl.trans(kc), IEEE) * scale_log2
+            p += tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+        score = tl.dot(p, w_here, input_precision="tf32x3") + carry  # [P, BJ]
+        carry = tl.dot(p, w_next, input_precision="tf32x3")
+        block = j0 + c
+        candidate = block[None, :] <= current[:, None]
+        forced = candidate & ((block[None, :] < NUM_INIT)
+                              | (block[None, :] > current[:, None] - NUM_LOCAL))
+        bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
+        key = (bits.to(tl.int64) << 32) | (block[None, :] ^ MAX_BLOCK).to(tl.int64)
+        key = tl.where(candidate & row_ok[:, None], key, -1)
+        best = tl.topk(tl.reshape(tl.join(best, key), (BLOCK_P, 2 * BJ)), BJ)
+    slot = tl.arange(0, BJ)
+    chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
+    blocks = tl.where(chosen, (best & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
+    blocks = tl.sort(blocks, dim=1)
+    blocks = tl.where(blocks == MAX_BLOCK, -1, blocks)
+    tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :],
+             blocks, mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED))
+
+
+@triton.jit
+def _position_rows(Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G: tl.constexpr,
+                   DK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
+    """Program (t, b·H + h): (b, h, t, its sequence's start, query heads hq [BLOCK_G], row
+    mask, q [BLOCK_G, BLOCK_DK], number of selected blocks min(n, candidates))."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    pos = tl.load(TOK_POS + t)
+    g = tl.arange(0, BLOCK_G)
+    row_ok = g < G
+    hq = h * G + g
+    q = load_tile(Q + b * stride_qb + t * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    num_blocks = tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
+    return b, h, t, t - pos, hq, row_ok, q, num_blocks
+
+
+@triton.jit
+def _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb, stride_kt, stride_kh,
+                    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Keys, values [BLOCK_S, D] of the block in ``slot`` of position t, and the mask of its
+    tokens s <= t (masked rows load as 0, so nothing beyond t is ever read)."""
+    block = tl.load(IDX + b * stride_ib + t * stride_it + h * stride_ih + slot)
+    offs = tl.arange(0, BLOCK_S)
+    s = seq_start + block * SEL_BLOCK + offs
+    k_ok = (offs < SEL_BLOCK) & (s <= t)
+    s64 = s.to(tl.int64)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    return k, v, k_ok
+
+
+@triton.jit
+def _selected_fwd_kernel(
+    Q, K, V, IDX, O, LSE, TOK_POS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
+        Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
+        NUM_SELECTED, SEL_BLOCK)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for slot in range(0, num_blocks):
+        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        scores = tl.where(k_ok[None, :], dot(q, tl.trans(k), IEEE) * scale_log2, float("-inf"))
+        m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
+    out, lse = softmax_finish(m, l, acc)
+    store_tile(O + b * stride_ob + t * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
+    tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _selected_bwd_dq_kernel(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, TOK_POS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
+        Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
+        NUM_SELECTED, SEL_BLOCK)
+    do = load_tile(DO + b * stride_ob + t * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+    lse = tl.load(LSE + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
+    for slot in range(0, num_blocks):
+        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        valid = row_ok[:, None] & k_ok[None, :]
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc += dot(ds.to(k.dtype), k, IEEE)
+    add_tile(DQ + b * stride_qb + t * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
+             BLOCK_DK)
 
 
 @triton.jit
@@ -84,84 +265,7 @@ def _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _select_kernel(
-    Q, KC, LSE, IDX, tile_start, tile_end, tile_seq_start, tile_cmp_start,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lb, stride_lt,
-    stride_ib, stride_it, stride_ih,
-    H, scale_log2,
-    G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_R: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, NPAD: tl.constexpr, TOK: tl.constexpr, TOK_PAD: tl.constexpr,
-    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
-):
-    P: tl.constexpr = BLOCK_R // G
-    BJ: tl.constexpr = NPAD  # selection blocks scored per step
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start, P, G,
-                                                BLOCK_R)
-    cmp_start = tl.load(tile_cmp_start + tile)
-    seq_len = t_end - seq_start
-    num_cmp = tl.where(seq_len >= CMP_BLOCK, (seq_len - CMP_BLOCK) // CMP_STRIDE + 1, 0)
-    pos = t - seq_start
-    current = pos // SEL_BLOCK  # [R] block of the query itself
-    hq = h * G + r % G
-    t64 = t.to(tl.int64)
-    dk = tl.arange(0, BLOCK_DK)
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    # Overlap (/ l) of compressed token a (relative to the chunk) with block c of this chunk
-    # and with block c of the next chunk.
-    a = tl.arange(0, TOK_PAD)
-    c = tl.arange(0, BJ)
-    tok_lo = (a * CMP_STRIDE)[:, None]
-    blk_lo = (c * SEL_BLOCK)[None, :]
-    here = tl.minimum(tok_lo + CMP_BLOCK, blk_lo + SEL_BLOCK) - tl.maximum(tok_lo, blk_lo)
-    nxt = (tl.minimum(tok_lo + CMP_BLOCK, blk_lo + BJ * SEL_BLOCK + SEL_BLOCK)
-           - tl.maximum(tok_lo, blk_lo + BJ * SEL_BLOCK))
-    tok_ok = (a < TOK)[:, None]
-    w_here = tl.where(tok_ok, tl.maximum(here, 0).to(tl.float32) / CMP_BLOCK, 0.0)
-    w_next = tl.where(tok_ok, tl.maximum(nxt, 0).to(tl.float32) / CMP_BLOCK, 0.0)
-    # Rows of the same position share one group score: same_pos @ x sums over the group.
-    same_pos = ((r[:, None] // G) == (r[None, :] // G)).to(tl.float32)
-    carry = tl.zeros([BLOCK_R, BJ], tl.float32)
-    best = tl.full([BLOCK_R, NPAD], -1, tl.int64)
-    num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
-    for j0 in range(0, num_blocks, BJ):
-        i_loc = j0 * (SEL_BLOCK // CMP_STRIDE) + a  # compressed index within the sequence
-        k_ok = (a < TOK) & (i_loc < num_cmp)
-        kc = tl.load(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64)[:, None] * stride_kt
-                     + h * stride_kh + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK),
-                     other=0.0)
-        scores = dot(q, tl.trans(kc), IEEE)
-        visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
-        p = tl.where(visible, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
-        mass = tl.dot(p, w_here, input_precision="ieee") + carry  # [R, BJ] per head
-        carry = tl.dot(p, w_next, input_precision="ieee")
-        score = tl.dot(same_pos, mass, input_precision="ieee")  # [R, BJ] per group
-        block = j0 + c
-        candidate = block[None, :] <= current[:, None]
-        forced = candidate & ((block[None, :] < NUM_INIT)
-                              | (block[None, :] > current[:, None] - NUM_LOCAL))
-        bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
-        key = (bits.to(tl.int64) << 32) | (2147483647 - block[None, :]).to(tl.int64)
-        key = tl.where(candidate & row_ok[:, None], key, -1)
-        merged = tl.reshape(tl.join(best, key), (BLOCK_R, 2 * NPAD))
-        best = tl.topk(merged, NPAD)
-    slot = tl.arange(0, NPAD)
-    chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
-    blocks = tl.where(chosen, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), 2147483647)
-    blocks = tl.sort(blocks, dim=1)
-    blocks = tl.where(blocks == 2147483647, -1, blocks)
-    first_head = row_ok & (r % G == 0)
-    tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :], blocks,
-             mask=first_head[:, None] & (slot[None, :] < NUM_SELECTED))
-
-
-@triton.jit
-def _selected_fwd_kernel(
+def _selected_union_fwd_kernel(
     Q, K, V, IDX, O, LSE, tile_start, tile_end, tile_seq_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
@@ -199,7 +303,7 @@ def _selected_fwd_kernel(
 
 
 @triton.jit
-def _selected_bwd_dq_kernel(
+def _selected_union_dq_kernel(
     Q, K, V, IDX, DO, LSE, DELTA, DQ, tile_start, tile_end, tile_seq_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
