@@ -36,8 +36,9 @@ fla (fla-org/flash-linear-attention, ``fla.ops.nsa.parallel_nsa``): compressed a
     Differences: it compresses with non-overlapping 64-token means (l = d = l' = 64; the
     paper's l=32, d=16 are not supported), so its compressed branch sees T/64 tokens where
     ours and mdy's see T/16; forced blocks are block 0 and the two most recent blocks, order
-    among equal scores unspecified (bitonic sort). It needs G = HQ/H a power of two >= 16
-    (the group is a matrix tile): other G are refused.
+    among equal scores unspecified (bitonic sort); an integer n is rounded up to a power of
+    two (n = 16: exact; other n are refused). It needs G = HQ/H a power of two >= 16 (the
+    group is a matrix tile): other G are refused.
 
 ``build(name, x, params)`` returns ``(run, inputs)``: ``run(x)`` is one forward, ``inputs``
 the tensors its backward differentiates; a shape a peer cannot take raises :class:`Refused`.
@@ -233,8 +234,11 @@ def build_fla(x, params):
         raise Refused(f"G = HQ/H = {HQ / H:g}: parallel_nsa needs a power of two >= 16")
     if max(D, Dv) > 256:
         raise Refused(f"head dim {max(D, Dv)} > 256")
+    n = params["num_selected"]
+    if n & (n - 1):
+        raise Refused(f"n = {n}: parallel_nsa selects the next power of two of blocks")
     fla = load_fla()
-    n, block, window = params["num_selected"], params["sel_block"], params["window"]
+    block, window = params["sel_block"], params["window"]
 
     def run(x):
         q, k, v, gates = x["q"], x["k"], x["v"], x["gates"]
@@ -322,17 +326,16 @@ def _mean_pool(x, size, stride):
 def _reference(name, x, params):
     """Ours (PyTorch backend) set up to compute what peer ``name`` computes, where it can.
 
-    Exact only while every block is selected and the window covers the whole past
-    (T <= min(n * l', w)): then the selection rules (and the peers' one-key-wider window
-    for mdy) cannot differ, and the comparison checks layouts, head grouping, scale,
-    compression and gating.
+    The same function but for the order of near-equal block scores (exactly the same while
+    every block is selected, T <= n * l'): checks layouts, head grouping, scale, compression,
+    selection rules, window and gating.
     """
     import nsa
 
     q, k, v, gates = x["q"], x["k"], x["v"], x["gates"]
-    if name == "mdy":  # mean pooling with l, d; gates are logits
+    if name == "mdy":  # mean pooling with l, d; gates are logits; flash-attn's w + 1 keys
         l, d = params["cmp_block"], params["cmp_stride"]
-        cfg = dict(params)
+        cfg = dict(params, window=params["window"] + 1)
         gates = torch.sigmoid(gates.float()).to(gates.dtype)
     else:  # fla: means of l' tokens, l = d = l'
         l = d = params["sel_block"]
@@ -341,7 +344,8 @@ def _reference(name, x, params):
                              num_init=NUM_INIT, num_local=NUM_LOCAL, backend="torch", **cfg)
 
 
-def run_tiny(T=256, HQ=16, H=1, D=64, num_selected=None, dtype=torch.float16) -> None:
+def run_tiny(T=256, HQ=16, H=1, D=64, num_selected=None, window=None,
+             dtype=torch.float16) -> None:
     """Forward + backward of each peer at a tiny shape against ours computing the same function.
 
     On the CPU this needs ``TRITON_INTERPRET=1`` (float16: the interpreter has no bfloat16
@@ -351,7 +355,8 @@ def run_tiny(T=256, HQ=16, H=1, D=64, num_selected=None, dtype=torch.float16) ->
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from attention import PAPER, nsa_inputs
 
-    params = dict(PAPER, num_selected=num_selected or PAPER["num_selected"])
+    params = dict(PAPER, num_selected=num_selected or PAPER["num_selected"],
+                  window=window or PAPER["window"])
     torch.manual_seed(0)
     x = nsa_inputs(T, HQ, H, D, dtype, "cuda" if torch.cuda.is_available() else "cpu")
     with torch.no_grad():
@@ -359,7 +364,7 @@ def run_tiny(T=256, HQ=16, H=1, D=64, num_selected=None, dtype=torch.float16) ->
     if not torch.cuda.is_available():
         load_mdy().NSAHelper.use_tma = False  # the interpreter has no TMA allocator
         _one_config_each()  # the interpreter cannot benchmark autotune configs
-    exact = T <= min(params["num_selected"] * params["sel_block"], params["window"])
+    exact = T <= params["num_selected"] * params["sel_block"]
     print(f"T={T}, HQ={HQ}, H={H}, D={D}, {dtype}, {params}")
     for name in PEERS:
         run, inputs = build(name, x, params)
@@ -390,11 +395,12 @@ def main(argv=None):
                         help="also run each peer at a tiny shape (on CPU: TRITON_INTERPRET=1)")
     parser.add_argument("--seq", type=int, default=256, help="T of --run")
     parser.add_argument("--num-selected", type=int, default=None, help="n of --run")
+    parser.add_argument("--window", type=int, default=None, help="w of --run")
     args = parser.parse_args(argv)
     set_root(args.peers)
     self_check()
     if args.run:
-        run_tiny(T=args.seq, num_selected=args.num_selected)
+        run_tiny(T=args.seq, num_selected=args.num_selected, window=args.window)
 
 
 if __name__ == "__main__":
