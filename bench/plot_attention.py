@@ -1,4 +1,4 @@
-"""Plot time vs T from the JSON that ``bench/attention.py --out DIR`` writes.
+"""Plot time vs T from the JSON that ``bench/attention.py`` writes (``--out DIR`` or ``--json``).
 
     python bench/plot_attention.py bench/results/attention-h200-2026-11-22.json docs/attention.png
 """
@@ -22,7 +22,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
     with open(args.results) as f:
-        rows = [r for r in json.load(f) if r["HQ"] == HQ and r["H"] == H]
+        data = json.load(f)
+    rows = data["rows"] if isinstance(data, dict) else data  # --json: {meta, rows}
+    # Refused, failed or skipped measurements have no times.
+    rows = [r for r in rows if r["HQ"] == HQ and r["H"] == H and "fwd_ms" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     for ax, key, title in zip(axes, ("fwd_ms", "fwd_bwd_ms"), ("forward", "forward + backward"),
                               strict=True):
