@@ -6,17 +6,25 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from nsa.models.decoding import check_sampling, stream_tokens
 from nsa.train import TRAIN_PRESETS, build_config, sample_checkpoint, train
-from nsa.train.checkpoint import RunDirError, export_model, latest_checkpoint
+from nsa.train.checkpoint import ModelFileError, RunDirError, export_model, latest_checkpoint
 from nsa.train.config import DEVICES
+
+# The sampling settings' names as the user types them, for check_sampling's messages.
+SAMPLE_FLAGS = {"max_new_tokens": "--tokens", "temperature": "--temperature"}
+GENERATE_FLAGS = {"max_new_tokens": "--max-tokens", "temperature": "--temperature",
+                  "top_k": "--top-k", "top_p": "--top-p"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention")
+    # allow_abbrev=False everywhere: '--resum' must not silently mean '--resume'.
+    parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train_cmd = commands.add_parser(
-        "train", help="train a language model on the bundled corpus",
+        "train", help="train a language model on the bundled corpus", allow_abbrev=False,
         description="Train a preset; override any ModelConfig or TrainConfig field with "
                     "key=value (optionally prefixed model. or train.), e.g. "
                     "'nsa train --preset tiny max_steps=100 dim=64'.",
@@ -32,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.set_defaults(run=run_train)
 
-    sample_cmd = commands.add_parser("sample", help="print a sample from a trained checkpoint")
+    sample_cmd = commands.add_parser("sample", help="print a sample from a trained checkpoint",
+                                     allow_abbrev=False)
     sample_cmd.add_argument("--run-dir", type=Path, required=True,
                             help="a run directory, or a model file written by 'nsa export'")
     sample_cmd.add_argument("--prompt", default=None, help="default: the run's sample_prompt")
@@ -42,13 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     sample_cmd.set_defaults(run=run_sample)
 
     export_cmd = commands.add_parser(
-        "export", help="write a run's newest checkpoint as one model file (no optimizer)")
+        "export", help="write a run's newest checkpoint as one model file (no optimizer)",
+        allow_abbrev=False)
     export_cmd.add_argument("--run-dir", type=Path, required=True)
     export_cmd.add_argument("--out", type=Path, required=True)
     export_cmd.set_defaults(run=run_export)
 
     gen = commands.add_parser(
-        "generate", help="stream text from a trained model (KV cache, CUDA graphs on a GPU)")
+        "generate", help="stream text from a trained model (KV cache, CUDA graphs on a GPU)",
+        allow_abbrev=False)
     gen.add_argument("--model", type=Path, required=True,
                      help="a run directory or a file written by 'nsa export'")
     prompt = gen.add_mutually_exclusive_group()
@@ -81,19 +92,37 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 
 def run_sample(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    given = {"max_new_tokens": args.tokens, "temperature": args.temperature}
     try:
+        check_sampling(**{k: v for k, v in given.items() if v is not None}, names=SAMPLE_FLAGS)
+        if args.prompt == "":
+            raise ValueError("--prompt must not be empty")
         print(sample_checkpoint(args.run_dir, args.prompt, args.tokens, args.temperature,
                                 args.device))
-    except RunDirError as error:
+    except (RunDirError, ModelFileError, ValueError) as error:
         parser.error(str(error))
 
 
 def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         checkpoint = latest_checkpoint(args.run_dir)
-    except RunDirError as error:
+        print(f"wrote {export_model(checkpoint, args.out)} from {checkpoint}")
+    except (RunDirError, ModelFileError) as error:
         parser.error(str(error))
-    print(f"wrote {export_model(checkpoint, args.out)} from {checkpoint}")
+
+
+def read_prompt_file(path: Path) -> str:
+    """The text of ``--prompt-file``; ``ValueError`` when missing, unreadable, not UTF-8 or
+    empty."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text") from None
+    except OSError as error:
+        raise ValueError(f"--prompt-file {path}: {error.strerror or error}") from None
+    if not text:
+        raise ValueError(f"--prompt-file {path} is empty")
+    return text
 
 
 def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -102,34 +131,32 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
     import torch
 
-    from nsa.models.decoding import stream_tokens
     from nsa.train.checkpoint import load_model
     from nsa.train.tokenizer import get_tokenizer
     from nsa.train.trainer import resolve_device
 
-    for name in ("max_tokens", "top_k"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not args.temperature > 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
     try:
+        check_sampling(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, names=GENERATE_FLAGS)
+        if args.prompt == "":
+            raise ValueError("--prompt must not be empty")
+        text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+        device = resolve_device(args.device)
         config, model = load_model(args.model)
-    except RunDirError as error:
+        if text is None:
+            text = config.train.sample_prompt
+        if not text:
+            raise ValueError("the model's sample_prompt is empty: give --prompt")
+    except (RunDirError, ModelFileError, ValueError) as error:
         parser.error(str(error))
-    device = resolve_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = model.to(device=device, dtype=dtype).eval()
     tokenizer = get_tokenizer(config.train.tokenizer)
-    text = (args.prompt_file.read_text() if args.prompt_file is not None
-            else args.prompt if args.prompt is not None else config.train.sample_prompt)
     prompt = torch.tensor([tokenizer.encode(text)], device=device)
-    if prompt.shape[1] + args.max_tokens > config.model.max_seq_len:
-        parser.error(f"the prompt ({prompt.shape[1]} tokens) + --max-tokens ({args.max_tokens}) "
-                     f"exceed the model's max_seq_len ({config.model.max_seq_len})")
+    if prompt.shape[1] > config.model.max_seq_len:
+        print(f"[the prompt has {prompt.shape[1]} tokens: the model reads its last "
+              f"{config.model.max_seq_len} (max_seq_len)]", file=sys.stderr)
     generator = torch.Generator(device).manual_seed(args.seed)
     sys.stdout.write(text)
     ids, shown = [], ""

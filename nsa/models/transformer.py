@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa.layers.attention import DenseAttention, NSAttention
 from nsa.models.config import ModelConfig
+from nsa.models.decoding import stream_tokens
 
 
 class SwiGLU(nn.Module):
@@ -55,6 +56,11 @@ class ModelCache:
     lengths: torch.Tensor
     layers: list
 
+    @property
+    def capacity(self) -> int:
+        """Positions each sequence can hold."""
+        return self.layers[0].k.shape[1]
+
 
 class LanguageModel(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -87,6 +93,7 @@ class LanguageModel(nn.Module):
         """tokens [B, T] -> logits [B, T, vocab], or the mean cross-entropy if ``targets`` given."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tuple(tokens.shape)}")
+        self._check_length("tokens", tokens.shape[1])
         x = self.embed(tokens)  # [B, T, dim]
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
@@ -98,15 +105,30 @@ class LanguageModel(nn.Module):
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
+    def _check_length(self, name: str, length: int) -> None:
+        """Refuse more positions than the model was built for (never trained, beyond RoPE's
+        training range): the sampling loop never feeds more than max_seq_len tokens."""
+        if length > self.config.max_seq_len:
+            raise ValueError(
+                f"{name}: {length} positions, more than the model's max_seq_len "
+                f"({self.config.max_seq_len}); feed at most max_seq_len tokens, or build the "
+                f"model with a larger one (ModelConfig(max_seq_len=...), the max_seq_len= "
+                f"override of 'nsa train')")
+
     # Decoding -----------------------------------------------------------------------------
 
     def new_cache(self, batch: int, capacity: int | None = None, device=None,
                   dtype=None) -> ModelCache:
-        """Empty caches for ``batch`` sequences of up to ``capacity`` (default max_seq_len)
-        tokens, in the dtype keys and values are computed in unless given: the autocast dtype
-        when autocast is on for the device (bf16 keys, half the bytes a step reads), else the
-        dtype of the model's weights."""
-        capacity = capacity or self.config.max_seq_len
+        """Empty caches for ``batch`` sequences of up to ``capacity`` tokens (1 to max_seq_len,
+        default max_seq_len), in the dtype keys and values are computed in unless given: the
+        autocast dtype when autocast is on for the device (bf16 keys, half the bytes a step
+        reads), else the dtype of the model's weights."""
+        if capacity is None:
+            capacity = self.config.max_seq_len
+        for name, value in (("batch", batch), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self._check_length("capacity", capacity)
         device = torch.device(device or self.embed.weight.device)
         if dtype is None:
             dtype = (torch.get_autocast_dtype(device.type)
@@ -116,14 +138,24 @@ class LanguageModel(nn.Module):
 
     def prefill(self, tokens: torch.Tensor, cache: ModelCache,
                 lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Run prompts [B, P] (right-padded; sequence b is ``lengths[b]`` long, default P) and
-        fill ``cache``. Returns the logits [B, vocab] at each sequence's last prompt token."""
+        """Run prompts [B, P] (right-padded; sequence b is ``lengths[b]`` long, in [1, P],
+        default P) and fill ``cache``, from position 0. Returns the logits [B, vocab] at each
+        sequence's last prompt token. Checking ``lengths`` reads it once on the host."""
+        if tokens.dim() != 2 or 0 in tokens.shape:
+            raise ValueError(f"tokens must have shape [B, P] with B, P >= 1, got "
+                             f"{tuple(tokens.shape)}")
         B, P = tokens.shape
-        if P > cache.layers[0].k.shape[1]:
-            raise ValueError(f"prompt of {P} tokens exceeds the cache capacity "
-                             f"{cache.layers[0].k.shape[1]}")
+        self._check_length("tokens", P)
+        if B != cache.lengths.shape[0]:
+            raise ValueError(f"tokens hold {B} sequences, the cache {cache.lengths.shape[0]}")
+        if P > cache.capacity:
+            raise ValueError(f"prompt of {P} tokens exceeds the cache capacity {cache.capacity}")
         if lengths is None:
             lengths = torch.full((B,), P, dtype=torch.long, device=tokens.device)
+        elif (lengths.shape != (B,) or lengths.dtype not in (torch.int32, torch.int64)
+              or bool(((lengths < 1) | (lengths > P)).any())):
+            raise ValueError(f"lengths must be integers of shape [{B}] in [1, P={P}], got "
+                             f"{lengths.tolist()}")
         x = self.embed(tokens)
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
             x = block.prefill(x, lengths, layer_cache)
@@ -143,40 +175,13 @@ class LanguageModel(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after ``tokens`` [B, T]: prefill a KV cache, then one
-        decode step per token. Past max_seq_len the model re-runs its last max_seq_len tokens
-        for every new one (positions cannot grow beyond what it was trained on)."""
-        B, T = tokens.shape
-        if T + max_new_tokens <= self.config.max_seq_len:
-            cache = self.new_cache(B, T + max_new_tokens)
-            logits = self.prefill(tokens, cache)
-            for _ in range(max_new_tokens):
-                next_token = sample_token(logits, temperature, top_k, top_p, generator)
-                tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-                logits = self.decode_step(next_token, cache)
-            return tokens
-        for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1]
-            next_token = sample_token(logits, temperature, top_k, top_p, generator)
-            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        return tokens
-
-
-def sample_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> [B] sampled ids: temperature, then top-k, then top-p (nucleus)."""
-    logits = logits.float() / max(temperature, 1e-6)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        outside = probs.cumsum(-1) - probs > top_p  # keeps the smallest set reaching top_p
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+        """prompt [B, P] followed by ``max_new_tokens`` sampled tokens -> [B, P +
+        max_new_tokens], by :func:`nsa.models.decoding.stream_tokens` and its context rule
+        (a prompt longer than max_seq_len is read from its last max_seq_len tokens; past
+        max_seq_len the KV cache restarts from the newest max_seq_len // 2)."""
+        new_tokens = stream_tokens(self, prompt, max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, generator=generator)
+        return torch.cat([prompt, torch.stack(list(new_tokens), dim=1)], dim=1)

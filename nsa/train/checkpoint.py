@@ -11,6 +11,10 @@ Every checkpoint ends with ``manifest.json``: the size and CRC-32 of each of its
 last. A checkpoint without one is incomplete; one whose files disagree with it is corrupted and
 refused with the name of the file (``CheckpointCorrupted``), and resuming falls back to the
 newest checkpoint that verifies.
+
+``nsa export`` writes one model file (:func:`export_model`): a JSON header (format, step,
+config), the weights and the CRC-32 of both, read back with ``weights_only=True``; a file that
+is not one, or is truncated or corrupted, is refused naming it (``ModelFileError``).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import json
 import os
 import re
 import shutil
+import warnings
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -33,7 +40,7 @@ from nsa.train.distributed import DistContext, all_gather_objects, barrier
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"
-EXPORT_FORMAT = "nsa-model-v1"
+EXPORT_FORMAT = "nsa-model-v2"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -47,6 +54,11 @@ class CheckpointCorrupted(Exception):
 
 class CheckpointWriteError(OSError):
     """Writing a checkpoint failed (disk full, directory not writable, ...)."""
+
+
+class ModelFileError(Exception):
+    """A model file is not one :func:`export_model` wrote (another kind of file, truncated,
+    corrupted, another format version), or cannot be written where asked."""
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -112,6 +124,23 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointCorrupted(f"{file}: checksum mismatch (corrupted)")
 
 
+# DCP's save and load outside a process group work in the one process and warn so on every call,
+# even given no_dist=True (torch 2.13: the warning follows no_dist whoever set it).
+_SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or uninitialized, "
+                           r"assuming the intent is to (save|load) in a single process")
+
+
+@contextmanager
+def dcp_single_process_intended():
+    """Around a DCP save or load: under torchrun DCP runs over the process group, unchanged;
+    without one a single process is this code's intent (a plain ``python`` run, an export), so
+    DCP's warning that it assumes so, and only that warning, is not shown."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", _SINGLE_PROCESS_WARNING, UserWarning)
+        yield
+
+
 def rng_state() -> dict:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
     return {"torch": torch.get_rng_state(), "cuda": cuda}
@@ -135,7 +164,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
             root.mkdir(parents=True, exist_ok=True)
         barrier(ctx)
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        with dcp_single_process_intended():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
         data_states = all_gather_objects(data_state, ctx)
         rng_states = all_gather_objects(rng_state(), ctx)
         if ctx.is_main:
@@ -174,7 +204,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                          f"{config_diff(saved.model, config.model)}")
     model_state, optim_state = get_state_dict(model, optimizer)
     to_load = {"model": model_state, "optim": optim_state}
-    dcp.load(to_load, checkpoint_id=path)
+    with dcp_single_process_intended():
+        dcp.load(to_load, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=to_load["model"],
                    optim_state_dict=to_load["optim"])
     same_world = state["world_size"] == ctx.world_size
@@ -190,7 +221,8 @@ def read_trainer_state(path: Path) -> dict:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """The weights of a checkpoint directory into a plain (unwrapped) model, one process."""
     to_load = {"model": model.state_dict()}
-    dcp.load(to_load, checkpoint_id=path)
+    with dcp_single_process_intended():
+        dcp.load(to_load, checkpoint_id=path)
     model.load_state_dict(to_load["model"])
 
 
@@ -243,30 +275,78 @@ def model_from_checkpoint(checkpoint: Path):
 
 def export_model(checkpoint: Path, out: Path) -> Path:
     """One file with the model's config and weights (no optimizer), from a DCP checkpoint;
-    :func:`load_exported` reads it. Runs in a single process."""
+    :func:`load_exported` reads it. Written atomically (a temporary file, then renamed), in a
+    single process. ``out`` must be a file path in an existing directory (``ModelFileError``)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ModelFileError(f"{out} is a directory: give the model file's path, e.g. "
+                             f"{out / 'model.pt'}")
+    if not out.parent.is_dir():
+        raise ModelFileError(f"cannot write {out}: the directory {out.parent} does not exist")
     config, model, step = model_from_checkpoint(checkpoint)
-    atomic_save({"format": EXPORT_FORMAT, "step": step, "config": config.to_dict(),
-                 "model": model.state_dict()}, out)
+    header = json.dumps({"format": EXPORT_FORMAT, "step": step, "config": config.to_dict()})
+    weights = model.state_dict()
+    try:
+        atomic_save({"header": header, "weights": weights,
+                     "crc32": _model_file_crc32(header, weights)}, out)
+    except OSError as error:
+        raise ModelFileError(f"writing {out} failed: {error}") from error
     return out
 
 
+def _model_file_crc32(header: str, weights: dict[str, torch.Tensor]) -> int:
+    """CRC-32 of the header, then of each weight's name and bytes, in name order."""
+    crc = zlib.crc32(header.encode())
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(tensor.view(torch.uint8).numpy(), crc)
+    return crc
+
+
 def load_exported(path: Path) -> tuple[RunConfig, dict, int]:
-    """(config, model state dict, step) of a file written by :func:`export_model`."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{path} is not an exported nsa model (format {EXPORT_FORMAT})")
-    return RunConfig.from_dict(state["config"]), state["model"], state["step"]
+    """(config, model state dict, step) of a file written by :func:`export_model`. Any other
+    file (not a model file, truncated, checksum mismatch, another format version) raises
+    :class:`ModelFileError` naming it."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # whatever the zip reader or the unpickler raises
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ModelFileError(f"{path}: not a readable model file ({reason[:200]})") from None
+    if not (isinstance(state, dict) and set(state) == {"header", "weights", "crc32"}
+            and isinstance(state["header"], str) and isinstance(state["crc32"], int)
+            and isinstance(state["weights"], dict)
+            and all(isinstance(w, torch.Tensor) for w in state["weights"].values())):
+        raise ModelFileError(f"{path} is not a model file of format {EXPORT_FORMAT} (write one "
+                             f"with 'nsa export')")
+    if _model_file_crc32(state["header"], state["weights"]) != state["crc32"]:
+        raise ModelFileError(f"{path}: checksum mismatch (the file is corrupted)")
+    try:
+        header = json.loads(state["header"])
+        if header["format"] != EXPORT_FORMAT:
+            raise ModelFileError(f"{path} has format {header['format']!r}, not "
+                                 f"{EXPORT_FORMAT}: export it again with this version of nsa")
+        return RunConfig.from_dict(header["config"]), state["weights"], header["step"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelFileError(f"{path}: its header does not fit this version of nsa "
+                             f"({error!r})") from None
 
 
 def load_model(path: Path):
-    """(config, model on the CPU) from a run directory's newest checkpoint or an exported file."""
+    """(config, model on the CPU) from a run directory's newest checkpoint or an exported file.
+    A bad file raises :class:`ModelFileError`, a directory without a checkpoint
+    :class:`RunDirError`."""
     from nsa.models import LanguageModel
 
     path = Path(path)
     if path.is_file():
         config, weights, _ = load_exported(path)
         model = LanguageModel(config.model)
-        model.load_state_dict(weights)
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as error:
+            raise ModelFileError(f"{path}: its weights do not fit its config ({error})") from None
         return config, model
     config, model, _ = model_from_checkpoint(latest_checkpoint(path))
     return config, model

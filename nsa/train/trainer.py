@@ -354,7 +354,15 @@ def evaluate(model: nn.Module, stream: TokenStream, num_batches: int, device: to
 @torch.no_grad()
 def generate_sample(model: LanguageModel, tokenizer: Tokenizer, t: TrainConfig,
                     device: torch.device) -> str:
-    """``t.sample_prompt`` followed by ``t.sample_tokens`` sampled tokens, decoded."""
+    """``t.sample_prompt`` followed by ``t.sample_tokens`` sampled tokens, decoded, by the one
+    sampling loop and its context rule (:mod:`nsa.models.decoding`). A bad setting raises
+    ``ValueError`` naming the field."""
+    from nsa.models.decoding import check_sampling
+
+    check_sampling(max_new_tokens=t.sample_tokens, temperature=t.sample_temperature,
+                   names={"max_new_tokens": "sample_tokens", "temperature": "sample_temperature"})
+    if not t.sample_prompt:
+        raise ValueError("sample_prompt must not be empty")
     model.eval()
     prompt = torch.tensor(tokenizer.encode(t.sample_prompt), device=device)[None]  # [1, P]
     generator = torch.Generator(device).manual_seed(t.seed)
@@ -367,8 +375,10 @@ def generate_sample(model: LanguageModel, tokenizer: Tokenizer, t: TrainConfig,
 
 def sample_checkpoint(path: Path, prompt: str | None = None, num_tokens: int | None = None,
                       temperature: float | None = None, device: str = "auto") -> str:
-    """A sample from a run directory's newest checkpoint or from an exported model file
-    (settings default to the run's own)."""
+    """A sample from a run directory's newest checkpoint or from an exported model file.
+    ``prompt``, ``num_tokens`` and ``temperature`` override the run's ``sample_prompt``,
+    ``sample_tokens`` and ``sample_temperature``; a bad value raises ``ValueError`` naming
+    that field."""
     config, model = load_model(path)
     overrides = {"sample_prompt": prompt, "sample_tokens": num_tokens,
                  "sample_temperature": temperature}

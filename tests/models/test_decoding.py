@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nsa.models import LanguageModel, ModelConfig
-from nsa.models.transformer import sample_token
+from nsa.models.decoding import sample_token
 from nsa.ops import NSAParams, nsa_select
 from nsa.ops.decode import nsa_decode, tokens_read, visible_compressed
 

@@ -1,0 +1,141 @@
+"""The command line: the README's generation examples with the tiny preset, and every misuse
+answered with exactly one 'nsa: error:' line (exit code 2, no traceback)."""
+
+import pytest
+import torch
+
+import nsa.cli
+import nsa.models.decoding as decoding
+from nsa.models import LanguageModel
+from nsa.models.decoding import sample_token
+from nsa.train import build_config
+from nsa.train.checkpoint import export_model, latest_checkpoint, save_checkpoint
+from nsa.train.distributed import DistContext
+from nsa.train.trainer import build_optimizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
+SINGLE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+LONG_PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 6  # > 128 bytes
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """An (untrained) run of the tiny preset: max_seq_len 128, bytes."""
+    path = tmp_path_factory.mktemp("runs") / "tiny"
+    config = build_config("tiny", [f"run_dir={path}"])
+    torch.manual_seed(0)
+    model = LanguageModel(config.model)
+    save_checkpoint(path, 1, model, build_optimizer(model, config.train), config, {}, SINGLE,
+                    keep=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_file(run_dir):
+    return export_model(latest_checkpoint(run_dir), run_dir / "model.pt")
+
+
+def test_readme_generate_with_a_prompt_file_longer_than_the_context(run_dir, model_file,
+                                                                    tmp_path, capsys):
+    """'nsa generate --model model.pt --prompt-file prompt.txt ...': a prompt of 348 bytes and
+    200 new ones with a max_seq_len of 128."""
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(LONG_PROMPT)
+    for model in (run_dir, model_file):
+        nsa.cli.main(["generate", "--model", str(model), "--prompt-file", str(prompt_file),
+                      "--temperature", "0.7", "--top-k", "50"])
+        out, err = capsys.readouterr()
+        assert out.startswith(LONG_PROMPT) and len(out) > len(LONG_PROMPT)
+        assert "the model reads its last 128" in err and "[200 tokens in" in err
+
+
+def test_readme_sample_400_tokens_is_the_generate_loop(run_dir, capsys, monkeypatch):
+    """'nsa sample --tokens 400' runs past max_seq_len (128) through the loop of 'nsa
+    generate': with the run's seed and temperature both sample the same 400 tokens."""
+    runs = []
+
+    def recording_sample_token(*args, **kwargs):
+        runs[-1].append(sample_token(*args, **kwargs))
+        return runs[-1][-1]
+
+    monkeypatch.setattr(decoding, "sample_token", recording_sample_token)
+    runs.append([])
+    nsa.cli.main(["sample", "--run-dir", str(run_dir), "--prompt", "JULIET:", "--tokens", "400"])
+    assert capsys.readouterr().out.startswith("JULIET:")
+    runs.append([])
+    seed = build_config("tiny", []).train.seed
+    nsa.cli.main(["generate", "--model", str(run_dir), "--prompt", "JULIET:", "--max-tokens",
+                  "400", "--temperature", "0.8", "--seed", str(seed)])
+    assert "[400 tokens in" in capsys.readouterr().err
+    assert len(runs[0]) == 400 and torch.equal(torch.cat(runs[0]), torch.cat(runs[1]))
+
+
+@pytest.fixture
+def files(tmp_path, run_dir, model_file):
+    """The paths the misuses below name."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("ROMÉO:".encode("latin-1"))
+    (tmp_path / "corrupt.pt").write_bytes(model_file.read_bytes()[:1000])
+    return {"run": str(run_dir), "tmp": str(tmp_path), **{
+        name: str(tmp_path / f"{name}.{ext}")
+        for name, ext in (("empty", "txt"), ("latin1", "txt"), ("missing", "txt"),
+                          ("corrupt", "pt"))}}
+
+
+GENERATE = ["generate", "--model", "{run}"]
+SAMPLE = ["sample", "--run-dir", "{run}"]
+EXPORT = ["export", "--run-dir", "{run}"]
+MISUSES = {  # argv ({name} is a path of ``files``) -> the error's message
+    "generate-empty-prompt": ([*GENERATE, "--prompt", ""], "--prompt must not be empty"),
+    "generate-empty-prompt-file": ([*GENERATE, "--prompt-file", "{empty}"],
+                                   "--prompt-file {empty} is empty"),
+    "generate-non-utf8-prompt-file": ([*GENERATE, "--prompt-file", "{latin1}"],
+                                      "--prompt-file {latin1} is not UTF-8 text"),
+    "generate-missing-prompt-file": ([*GENERATE, "--prompt-file", "{missing}"],
+                                     "--prompt-file {missing}: No such file or directory"),
+    "generate-zero-tokens": ([*GENERATE, "--max-tokens", "0"],
+                             "--max-tokens must be an integer >= 1, got 0"),
+    "generate-zero-temperature": ([*GENERATE, "--temperature", "0"],
+                                  "--temperature must be a finite number > 0"),
+    "generate-nan-temperature": ([*GENERATE, "--temperature", "nan"],
+                                 "--temperature must be a finite number > 0"),
+    "generate-zero-top-k": ([*GENERATE, "--top-k", "0"],
+                            "--top-k must be None or an integer >= 1"),
+    "generate-top-p-above-1": ([*GENERATE, "--top-p", "1.5"], "--top-p must be None or in (0, 1]"),
+    "generate-nan-top-p": ([*GENERATE, "--top-p", "nan"], "--top-p must be None or in (0, 1]"),
+    "generate-corrupt-model": (["generate", "--model", "{corrupt}"],
+                               "{corrupt}: not a readable model file"),
+    "sample-negative-tokens": ([*SAMPLE, "--tokens", "-4"],
+                               "--tokens must be an integer >= 1, got -4"),
+    "sample-zero-temperature": ([*SAMPLE, "--temperature", "0"],
+                                "--temperature must be a finite number > 0"),
+    "sample-empty-prompt": ([*SAMPLE, "--prompt", ""], "--prompt must not be empty"),
+    "sample-corrupt-model": (["sample", "--run-dir", "{corrupt}"],
+                             "{corrupt}: not a readable model file"),
+    "export-out-directory": ([*EXPORT, "--out", "{tmp}"], "{tmp} is a directory"),
+    "export-out-missing-directory": ([*EXPORT, "--out", "{tmp}/no/model.pt"],
+                                     "the directory {tmp}/no does not exist"),
+    "train-abbreviated-resume": (["train", "--resum", "max_steps=1"],
+                                 "unrecognized arguments: --resum"),
+    "train-abbreviated-overwrite": (["train", "--ov"], "unrecognized arguments: --ov"),
+    "train-abbreviated-auto-resume": (["train", "--auto", "max_steps=1"],
+                                      "unrecognized arguments: --auto"),
+    "sample-abbreviated-tokens": ([*SAMPLE, "--tok", "4"], "unrecognized arguments: --tok 4"),
+    "generate-abbreviated-max-tokens": ([*GENERATE, "--max", "4"],
+                                        "unrecognized arguments: --max 4"),
+    "export-abbreviated-out": ([*EXPORT, "--out", "{tmp}/m.pt", "--o", "{tmp}/other.pt"],
+                               "unrecognized arguments: --o {tmp}/other.pt"),
+}
+
+
+@pytest.mark.parametrize("misuse", MISUSES)
+def test_a_misuse_gets_one_error_line(misuse, files, capsys, monkeypatch):
+    monkeypatch.setattr(nsa.cli, "train", lambda *args, **kwargs: pytest.fail("it trained"))
+    argv, message = MISUSES[misuse]
+    with pytest.raises(SystemExit) as exit_info:
+        nsa.cli.main([arg.format(**files) for arg in argv])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert [line for line in err.splitlines() if "error" in line.lower()] == [
+        f"nsa: error: {err.split('nsa: error: ', 1)[-1].strip()}"]
+    assert message.format(**files) in err and "Traceback" not in out + err
