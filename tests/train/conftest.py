@@ -1,5 +1,8 @@
+import re
+
 import pytest
 
+import nsa.cli
 from nsa.train import streams
 
 # A model and run small enough that a few training steps take well under a second on a CPU.
@@ -20,3 +23,18 @@ def sleeps(monkeypatch):
     monkeypatch.setattr(streams.time, "sleep", delays.append)
     return delays
 
+
+@pytest.fixture
+def cli_error(capsys):
+    """Run ``nsa`` with argv, which must fail with exactly one error line and no traceback; ->
+    that line: ``nsa: error: ...``, or ``nsa train: error: ...`` from the command's own options."""
+    def run(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            nsa.cli.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if re.match(r"nsa( \w+)?: error: ", line)]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        return lines[0]
+
+    return run
