@@ -10,6 +10,8 @@ from nsa.models.decoding import check_sampling, stream_tokens
 from nsa.train import TRAIN_PRESETS, build_config, sample_checkpoint, train
 from nsa.train.checkpoint import ModelFileError, RunDirError, export_model, latest_checkpoint
 from nsa.train.config import DEVICES
+from nsa.train.errors import SetupError
+from nsa.train.tokenizer import TokenizerUnavailableError
 
 # The sampling settings' names as the user types them, for check_sampling's messages.
 SAMPLE_FLAGS = {"max_new_tokens": "--tokens", "temperature": "--temperature"}
@@ -30,13 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "'nsa train --preset tiny max_steps=100 dim=64'.",
     )
     train_cmd.add_argument("--preset", default="tiny", choices=sorted(TRAIN_PRESETS))
-    train_cmd.add_argument("--resume", action="store_true",
-                           help="continue from the newest checkpoint in run_dir/checkpoints")
-    train_cmd.add_argument("--auto-resume", action="store_true",
-                           help="resume when run_dir holds a checkpoint, else start fresh "
-                                "(for torchrun --max-restarts)")
-    train_cmd.add_argument("--overwrite", action="store_true",
-                           help="start over in a run_dir that already holds a checkpoint")
+    start = train_cmd.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in run_dir/checkpoints")
+    start.add_argument("--auto-resume", action="store_true",
+                       help="resume when run_dir holds a checkpoint, else start fresh "
+                            "(for torchrun --max-restarts)")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start over in a run_dir that already holds a checkpoint")
     train_cmd.add_argument("overrides", nargs="*", metavar="key=value")
     train_cmd.set_defaults(run=run_train)
 
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Train; a setting, the data, the machine or the run directory that does not fit the run
+    is one ``nsa: error:`` line (on every rank under torchrun), not a traceback."""
     try:
         config = build_config(args.preset, args.overrides)
     except ValueError as error:
@@ -87,7 +92,7 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     try:
         resume = "auto" if args.auto_resume else args.resume
         train(config, resume=resume, overwrite=args.overwrite)
-    except RunDirError as error:
+    except (RunDirError, SetupError, TokenizerUnavailableError) as error:
         parser.error(str(error))
 
 

@@ -1,7 +1,8 @@
 """torch.distributed for the trainer: the process group under torchrun, and the model wrappers.
 
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) is read once, in :func:`init_distributed`,
-before the model is built; a plain ``python`` run is a world of one with no process group.
+before the model is built; a plain ``python`` run (``parallel=none``) is a world of one with no
+process group.
 Every rank builds the same model and runs the same graph: nothing below branches on the rank.
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from nsa.train.errors import SetupError
 
 PARALLEL = ("none", "ddp", "fsdp")
 
@@ -34,26 +37,40 @@ class DistContext:
         return dist.is_available() and dist.is_initialized()
 
 
-def init_distributed(device_name: str) -> DistContext:
-    """Join torchrun's process group when launched by it (NCCL on CUDA, gloo on the CPU)."""
+def init_distributed(device_name: str, parallel: str) -> DistContext:
+    """Join torchrun's process group when ``parallel`` is "ddp" or "fsdp" (NCCL on CUDA, gloo on
+    the CPU). SetupError, before anything starts, when the launch does not fit the settings:
+    ``parallel`` without torchrun, several processes without ``parallel``, no GPU for CUDA."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but CUDA is not available")
+    if parallel != "none" and not launched:
+        raise SetupError(f"parallel={parallel} needs torchrun: torchrun --nproc_per_node N -m "
+                         f"nsa.train ... parallel={parallel}, or parallel=none for one process")
+    if parallel == "none" and world_size > 1:
+        raise SetupError(f"{world_size} processes (torchrun) need parallel=ddp or parallel=fsdp")
+    device = resolve_device(device_name)
+    if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device(device_name)
-    if world_size > 1 and not dist.is_initialized():
+    if parallel != "none" and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 store=_attempt_store(rank, world_size), rank=rank,
                                 world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
     return DistContext(rank, world_size, local_rank, device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" (CUDA when there is a GPU, else the CPU), "cpu" or "cuda"; SetupError for "cuda"
+    without a GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SetupError("device=cuda but no CUDA GPU is available here: device=cpu or "
+                         "device=auto")
+    return torch.device(name)
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:
@@ -93,6 +110,20 @@ def all_gather_objects(obj, ctx: DistContext) -> list:
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def fail_together(error: Exception | None, ctx: DistContext,
+                  error_type: type[Exception]) -> None:
+    """Every rank calls this after work that may fail on some ranks only (``error`` is this
+    rank's failure, or None). When any rank failed, every rank raises: a failed rank its own
+    ``error``, the others ``error_type`` with the first failed rank's message. So no rank goes on
+    into a collective that a stopped rank will never join."""
+    messages = all_gather_objects(None if error is None else str(error), ctx)
+    if error is not None:
+        raise error
+    failed = [message for message in messages if message is not None]
+    if failed:
+        raise error_type(failed[0])
 
 
 def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,

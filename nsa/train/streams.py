@@ -20,6 +20,11 @@ the tokenizer's end-of-text id and cuts the resulting token stream into consecut
 ``T + 1`` tokens (inputs ``row[:-1]``, targets ``row[1:]``), so a document may span rows. The
 training split starts over when it ends (the next epoch, same order); the validation split
 raises instead. Documents are not shuffled, so ``seed`` does not apply to them.
+
+Local files are checked when a stream is built: each must hold a document, and together more than
+``val_docs`` (one training document per rank). A read that fails with a network or I/O error is
+retried; any other failure (a missing package, a malformed file, a wrong path or a refused
+permission) would fail again, and raises at once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ from nsa.train.data import (
     read_corpus,
     split_tokens,
 )
+from nsa.train.errors import SetupError
 from nsa.train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -58,6 +65,9 @@ SPLITS = ("train", "val")
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}  # suffix -> builder
 _READ_BATCH = 256  # documents per arrow table read from a dataset
 _END = object()  # marks the end of an iterator
+# Reading again finds these as they were: a wrong path, a refused permission.
+_PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_RETRIED_HTTP_STATUSES = (408, 429)  # and every 5xx: the server may answer next time
 
 Split = Literal["train", "val"]
 
@@ -66,7 +76,7 @@ class StreamError(RuntimeError):
     """Reading a dataset kept failing through every retry."""
 
 
-class DataFormatError(ValueError):
+class DataFormatError(SetupError):
     """A dataset holds something that is not a document: bad JSON, a missing text column..."""
 
 
@@ -104,9 +114,11 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
     ``batch_size``: rows per batch on this rank. ``seed``: the indexed streams' randomness.
     ``val_docs``: documents of a document stream held out for "val". ``text_column``: the
     document text's column (field) of hub, .jsonl and .parquet datasets.
-    ``retries``, ``backoff_s``: a document stream that fails to read is reopened at its position
-    after ``backoff_s``, then twice that, ... up to ``retries`` times in a row (a document read
-    in between starts the count over), then raises :class:`StreamError`.
+    ``retries``, ``backoff_s``: a document stream that fails to read with a network or I/O error
+    (:func:`is_transient`) is reopened at its position after ``backoff_s``, then twice that, ...
+    up to ``retries`` times in a row (a document read in between starts the count over), then
+    raises :class:`StreamError`. Other failures raise at once: :class:`SetupError` for a missing
+    package, a malformed (:class:`DataFormatError`) or empty file, a wrong path or permission.
     """
     _check_at_least(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
     _check_rank(rank, world_size)
@@ -129,19 +141,22 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
         sampler = BatchSampler(train_tokens if split == "train" else val_tokens,
                                global_batch_size, seq_len, seed, stream)
         return IndexedStream(sampler.batch, global_batch_size, seq_len, rank, world_size)
-    if split == "val" and val_docs == 0:
-        raise ValueError(f"val_docs must be >= 1 for the val split of {source!r}")
-    return DocumentStream(dataset_spec(source, dataset_config, text_column), split,
-                          tokenizer=tokenizer, batch_size=batch_size, seq_len=seq_len, rank=rank,
-                          world_size=world_size, val_docs=val_docs, retries=retries,
-                          backoff_s=backoff_s)
+    if split == "val" and val_docs < world_size:
+        raise SetupError(f"val_docs={val_docs} leaves some of the {world_size} ranks without a "
+                         f"validation document of {source!r}: set val_docs={world_size} or more")
+    spec = dataset_spec(source, dataset_config, text_column)
+    if spec.data_files:
+        check_enough_documents(spec, val_docs, world_size)
+    return DocumentStream(spec, split, tokenizer=tokenizer, batch_size=batch_size,
+                          seq_len=seq_len, rank=rank, world_size=world_size, val_docs=val_docs,
+                          retries=retries, backoff_s=backoff_s)
 
 
 def local_batch_size(global_batch_size: int, world_size: int) -> int:
-    """Rows per rank of a global batch; ValueError unless ``world_size`` divides it."""
+    """Rows per rank of a global batch; SetupError unless ``world_size`` divides it."""
     _check_at_least(global_batch_size=global_batch_size, world_size=world_size)
     if global_batch_size % world_size:
-        raise ValueError(f"global_batch_size={global_batch_size} must be divisible by "
+        raise SetupError(f"global_batch_size={global_batch_size} must be divisible by "
                          f"world_size={world_size}")
     return global_batch_size // world_size
 
@@ -212,6 +227,25 @@ class DatasetSpec:
         return datasets.load_dataset(self.path, data_files=list(self.data_files), split="train",
                                      streaming=True, **options)
 
+    def count_documents(self, at_most: int) -> int:
+        """The documents of local files, counted up to ``at_most``. Every file is opened:
+        SetupError naming the first one that holds no document or cannot be read."""
+        count = {"text": _text_documents, "json": _jsonl_documents,
+                 "parquet": _parquet_documents}[self.path]
+        total = 0
+        for file in self.data_files:
+            try:
+                found = count(file, max(at_most - total, 1))
+            except ImportError as error:
+                raise missing_package(error, file) from error
+            except OSError as error:
+                raise SetupError(f"cannot read {file}: {error}") from error
+            if found == 0:
+                raise SetupError(f"{file} holds no document (it is empty): fill it or leave it "
+                                 "out of data=")
+            total += found
+        return min(total, at_most)
+
     def find_format_error(self) -> str | None:
         """Where the first malformed document of local files is ("<file>: line <n>: ..."), or
         None when they all parse (and for hub datasets)."""
@@ -230,10 +264,10 @@ def dataset_spec(source: str, config: str | None = None, text_column: str = "tex
         return DatasetSpec(FINEWEB, config or FINEWEB_CONFIG, text_column=text_column)
     if source.startswith("hf:"):
         if not source[3:]:
-            raise ValueError("source='hf:' needs a dataset name: 'hf:<name>'")
+            raise SetupError("source='hf:' needs a dataset name: 'hf:<name>'")
         return DatasetSpec(source[3:], config, text_column=text_column)
     if config is not None:
-        raise ValueError(f"dataset_config applies to hub datasets, not to source={source!r}")
+        raise SetupError(f"dataset_config applies to hub datasets, not to source={source!r}")
     builder, files = resolve_local_files(source)
     return DatasetSpec(builder, data_files=files, text_column=text_column)
 
@@ -249,14 +283,61 @@ def resolve_local_files(source: str) -> tuple[str, tuple[str, ...]]:
     else:
         files = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
     if not files:
-        raise ValueError(f"source={source!r} is not 'shakespeare', 'synthetic', 'fineweb' or "
+        raise SetupError(f"source={source!r} is not 'shakespeare', 'synthetic', 'fineweb' or "
                          "'hf:<name>', nor a file, directory or glob of .txt, .jsonl or .parquet "
                          "files")
     suffixes = sorted({p.suffix for p in files})
     if len(suffixes) > 1 or suffixes[0] not in LOCAL_BUILDERS:
-        raise ValueError(f"source={source!r} must name files of one format, .txt, .jsonl or "
+        raise SetupError(f"source={source!r} must name files of one format, .txt, .jsonl or "
                          f".parquet; found {suffixes}")
     return LOCAL_BUILDERS[suffixes[0]], tuple(sorted(str(p.resolve()) for p in files))
+
+
+def check_enough_documents(spec: DatasetSpec, val_docs: int, world_size: int) -> None:
+    """SetupError unless local files hold more than ``val_docs`` documents, the held-out
+    validation split, with one left for each rank to train on."""
+    needed = val_docs + world_size
+    found = spec.count_documents(needed)
+    if found >= needed:
+        return
+    left = max(found - val_docs, 0)
+    leaving = (f"leaving {left} for training, and each of {world_size} ranks needs one" if left
+               else "leaving none for training")
+    fix = f"set val_docs={found - world_size} or lower" if found > world_size else "add documents"
+    raise SetupError(f"{spec} holds {found} documents, and the first val_docs={val_docs} are "
+                     f"held out for validation, {leaving}: {fix}")
+
+
+def missing_package(error: ImportError, reading: object) -> SetupError:
+    """The error to raise when ``reading`` a dataset failed for want of a package."""
+    package = (error.name or "datasets").partition(".")[0]
+    return SetupError(f"reading {reading} needs the {package} package: "
+                      'pip install "nsa[train]"')
+
+
+def is_transient(error: Exception) -> bool:
+    """Whether reading again may succeed: a network or I/O fault (an OSError other than a wrong
+    path or a refused permission, an HTTP client's transport error, HTTP 408, 429 or 5xx), not a
+    missing package, a malformed file, a missing dataset or a bug."""
+    status = _http_status(error)
+    if status is not None:
+        return status in _RETRIED_HTTP_STATUSES or status >= 500
+    if isinstance(error, _PERMANENT_OS_ERRORS):
+        return False
+    return isinstance(error, OSError) or _is_transport_error(error)
+
+
+def _http_status(error: Exception) -> int | None:
+    """The status of the HTTP response an error carries (the hub client's HTTP errors)."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _is_transport_error(error: Exception) -> bool:
+    """An httpx (or httpx2, huggingface_hub's client) failure to reach a server: connecting,
+    reading, a timeout. Unlike those of requests and aiohttp, these are not OSErrors."""
+    clients = (sys.modules.get(name) for name in ("httpx", "httpx2"))
+    return any(isinstance(error, client.TransportError) for client in clients if client)
 
 
 def open_documents(spec: DatasetSpec, split: Split, *, rank: int, world_size: int, val_docs: int,
@@ -299,12 +380,14 @@ class DocumentStream:
         self._rank, self._world_size, self._val_docs = rank, world_size, val_docs
         self._retries, self._backoff_s = retries, backoff_s
         self._epoch = self._doc = self._offset = 0
+        self._batches = 0  # batches read since the start, a reset or a restored position
         self._tokens: np.ndarray | None = None  # [n] document doc's tokens and eot, once read
         self._texts: Iterator[object] | None = None  # the open dataset; next yields document doc
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._take(self.batch_size * (self.seq_len + 1))
         rows = torch.from_numpy(rows.reshape(self.batch_size, self.seq_len + 1))  # [B, T + 1]
+        self._batches += 1
         return rows[:, :-1], rows[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
@@ -317,10 +400,11 @@ class DocumentStream:
             raise ValueError(f"the data state is rank {state['rank']} of {state['world_size']}'s, "
                              f"this stream is rank {self._rank} of {self._world_size}'s")
         self._epoch, self._doc, self._offset = state["epoch"], state["doc"], state["offset"]
+        self._batches = 0
         self._tokens = self._texts = None
 
     def reset(self) -> None:
-        self._epoch = self._doc = self._offset = 0
+        self._epoch = self._doc = self._offset = self._batches = 0
         self._tokens = self._texts = None
 
     def _take(self, count: int) -> np.ndarray:
@@ -348,17 +432,25 @@ class DocumentStream:
         if text is None and self.split == "train" and self._doc > 0:
             self._epoch, self._doc, self._texts = self._epoch + 1, 0, None
             text = self._read_text()
+        if text is None and self.split == "val":
+            fix = (f"set eval_steps={self._batches} or lower, or val_docs= above "
+                   f"{self._val_docs}" if self._batches else
+                   f"set val_docs= above {self._val_docs}, or lower batch_size= or seq_len=")
+            batches = f"{self._batches} batch{'' if self._batches == 1 else 'es'}"
+            raise SetupError(f"the val split (the first val_docs={self._val_docs} documents) of "
+                             f"{self.spec} gives rank {self._rank} of {self._world_size} only "
+                             f"{batches} of {self.batch_size} x {self.seq_len + 1} tokens, fewer "
+                             f"than an evaluation reads (eval_steps): {fix}")
         if text is None:
-            what = (f"the val split (the first val_docs={self._val_docs} documents)"
-                    if self.split == "val" else "the train split")
-            raise ValueError(f"{what} of {self.spec} has no document {self._doc} for rank "
-                             f"{self._rank} of {self._world_size}: use more documents or fewer "
-                             "batches")
+            raise SetupError(f"the train split of {self.spec} has no document for rank "
+                             f"{self._rank} of {self._world_size}: add documents or lower "
+                             "val_docs=")
         return np.asarray([*self._tokenizer.encode(text), self._tokenizer.eot], dtype=np.int64)
 
     def _read_text(self) -> str | None:
-        """Document ``doc``'s text, None past the split's end. A failed read reopens the dataset
-        at document ``doc`` after an exponential backoff, ``retries`` times."""
+        """Document ``doc``'s text, None past the split's end. A read failing with a network or
+        I/O error reopens the dataset at document ``doc`` after an exponential backoff,
+        ``retries`` times; other failures raise at once."""
         failures = 0
         while True:
             try:
@@ -376,10 +468,14 @@ class DocumentStream:
                 return text
             except Exception as error:
                 self._texts = None
+                if isinstance(error, ImportError):
+                    raise missing_package(error, self.spec) from error
                 problem = self.spec.find_format_error()
                 if problem is not None:
                     raise DataFormatError(problem) from error
-                if isinstance(error, DataFormatError):
+                if not is_transient(error):
+                    if isinstance(error, OSError) or _http_status(error) is not None:
+                        raise SetupError(f"cannot read {self.spec}: {error}") from error
                     raise
                 if failures == self._retries:
                     raise StreamError(f"reading {self.spec} failed {failures + 1} times in a row "
@@ -391,6 +487,33 @@ class DocumentStream:
                                "(retry %d of %d)", self.spec, error, self._doc, delay, failures,
                                self._retries)
                 time.sleep(delay)
+
+
+def _text_documents(path: str, at_most: int) -> int:
+    """A .txt file is one document, unless it is empty."""
+    return int(Path(path).stat().st_size > 0)
+
+
+def _jsonl_documents(path: str, at_most: int) -> int:
+    """The non-blank lines of a .jsonl file (its documents), counted up to ``at_most``."""
+    count = 0
+    with open(path, "rb") as file:
+        for line in file:
+            count += bool(line.strip())
+            if count == at_most:
+                break
+    return count
+
+
+def _parquet_documents(path: str, at_most: int) -> int:
+    """The rows of a .parquet file, from its metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except pa.ArrowInvalid as error:
+        raise DataFormatError(f"{path}: not a readable parquet file ({error})") from error
 
 
 def _text_problem(path: str, text_column: str) -> str | None:

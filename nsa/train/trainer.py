@@ -3,17 +3,23 @@
 One process, or one per GPU under torchrun (``parallel=ddp|fsdp``). ``batch_size`` is the
 global number of sequences per micro-batch: each of W ranks takes ``batch_size / W`` of them,
 so a run computes the same losses at any world size (up to reduction order).
+
+Everything that can be known to fail is checked before the first step, on every rank together:
+the launch and the machine against the settings, the run directory (one training at a time,
+``run_dir/.lock``), the data against ``val_docs`` and ``eval_steps``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import time
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -21,6 +27,8 @@ import torch
 from torch import nn
 
 from nsa.models import LanguageModel
+from nsa.models.config import ModelConfig
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET, TRITON_MISSING_REASON
 from nsa.train.checkpoint import (
     CHECKPOINTS,
     RunDirError,
@@ -33,19 +41,25 @@ from nsa.train.checkpoint import (
 from nsa.train.config import RunConfig, TrainConfig
 from nsa.train.distributed import (
     DistContext,
+    all_gather_objects,
     all_reduce_mean,
     barrier,
+    fail_together,
     gradient_sync,
     init_distributed,
+    resolve_device,
     shutdown_distributed,
     unwrap,
     wrap_model,
 )
+from nsa.train.errors import SetupError
 from nsa.train.flops import flops_metrics, matmul_params, model_flops_per_token, peak_flops
 from nsa.train.metrics import MetricsLog, Progress
 from nsa.train.streams import TokenStream, build_stream, local_batch_size
-from nsa.train.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer
+from nsa.train.tokenizer import TOKENIZERS, Tokenizer, TokenizerUnavailableError, get_tokenizer
 from nsa.train.watchdog import Heartbeat, Watchdog
+
+RUN_LOCK = ".lock"  # in run_dir: flock'ed by the run's rank 0, it records the holder
 
 
 @dataclass(frozen=True)
@@ -68,13 +82,21 @@ def train(config: RunConfig, resume: bool | str = False, overwrite: bool = False
     "auto" continues when there is one and starts fresh otherwise (for restarts under
     ``torchrun --max-restarts``). ``overwrite`` lets a fresh run replace an earlier one.
     Under torchrun every rank calls this with the same config.
+    SetupError (a setting, the data or the machine does not fit) and RunDirError (the run
+    directory is in use, or holds no checkpoint to resume / a run to keep) come before the
+    first step.
     """
     t = config.train
+    if resume and overwrite:
+        raise SetupError(f"--resume and --auto-resume continue the run in {t.run_dir}, "
+                         "--overwrite starts over: pass one of them")
     if t.num_threads is not None:
         torch.set_num_threads(t.num_threads)
-    ctx = init_distributed(t.device)
+    ctx = init_distributed(t.device, t.parallel)
     try:
-        return _train(config, ctx, resume, overwrite)
+        check_attention_backend(config.model, ctx.device)
+        with run_dir_lock(Path(t.run_dir), ctx):
+            return _train(config, ctx, resume, overwrite)
     finally:
         shutdown_distributed()
 
@@ -84,16 +106,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     if resume == "auto":
         resume = bool(checkpoint_dirs(Path(t.run_dir)))
     run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite, ctx)
-    if t.parallel == "none" and ctx.world_size > 1:
-        raise ValueError(f"{ctx.world_size} processes need parallel=ddp or parallel=fsdp")
-    tokenizer = load_tokenizer(t)
-    rows = local_batch_size(t.batch_size, ctx.world_size)
-    stream_args = dict(tokenizer=tokenizer, batch_size=rows, seq_len=t.seq_len, rank=ctx.rank,
-                       world_size=ctx.world_size, seed=t.seed, val_fraction=t.val_fraction,
-                       val_docs=t.val_docs, dataset_config=t.dataset_config,
-                       retries=t.data_retries, backoff_s=t.data_backoff_s)
-    train_stream = build_stream(t.data, "train", **stream_args)
-    val_stream = build_stream(t.data, "val", **stream_args)
+    tokenizer, train_stream, val_stream = open_data(t, ctx)
 
     torch.manual_seed(t.seed)
     model = LanguageModel(config.model).to(device)
@@ -169,8 +182,10 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
             progress.close()
         val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx)
     sample = ""
-    if t.sample_tokens and tokenizer_loaded(tokenizer):  # every rank: FSDP gathers weights
-        sample = generate_sample(unwrap(model), tokenizer, t, device)
+    if t.sample_tokens:  # every rank: FSDP gathers weights
+        sample_tokenizer = load_sample_tokenizer(tokenizer, t, ctx)
+        if sample_tokenizer is not None:
+            sample = generate_sample(unwrap(model), sample_tokenizer, t, device)
     if ctx.is_main:
         metrics.log({"step": t.max_steps, "val_loss": val_loss,
                      "elapsed_s": time.perf_counter() - began})
@@ -216,15 +231,72 @@ def step_record(step, loss, grad_norm, lr, tokens_per_s, elapsed, flops_per_toke
 
 
 def load_tokenizer(t: TrainConfig) -> Tokenizer | type:
-    """The tokenizer; synthetic data without a sample needs only the vocabulary size, which
-    the tokenizer's class carries (so gpt2's files need not be present)."""
-    if t.data == "synthetic" and t.sample_tokens == 0:
+    """The tokenizer the data needs; synthetic data needs only the vocabulary size, which the
+    tokenizer's class carries (so gpt2's files need not be present)."""
+    if t.data == "synthetic":
         return TOKENIZERS[t.tokenizer]
     return get_tokenizer(t.tokenizer)
 
 
 def tokenizer_loaded(tokenizer) -> bool:
     return not isinstance(tokenizer, type)
+
+
+def load_sample_tokenizer(tokenizer: Tokenizer | type, t: TrainConfig,
+                          ctx: DistContext) -> Tokenizer | None:
+    """The tokenizer of the end-of-run sample: the data's, else loaded now. None on every rank,
+    said in one line, when some rank cannot load it (tiktoken's GPT-2 files on a machine
+    without internet access): synthetic data trains without it, and the run still ends well."""
+    if tokenizer_loaded(tokenizer):
+        return tokenizer
+    try:
+        loaded, problem = get_tokenizer(t.tokenizer), None
+    except TokenizerUnavailableError as error:
+        loaded, problem = None, str(error)
+    problems = [p for p in all_gather_objects(problem, ctx) if p is not None]
+    if not problems:
+        return loaded
+    if ctx.is_main:
+        print(f"sample skipped (sample_tokens=0 turns it off): {problems[0]}", flush=True)
+    return None
+
+
+def open_data(t: TrainConfig, ctx: DistContext) -> tuple[Tokenizer | type, TokenStream,
+                                                         TokenStream]:
+    """(tokenizer, training stream, validation stream), checked before the first step on every
+    rank together: the validation batches are read once, so that data which is missing,
+    unreadable or too small for ``val_docs`` and ``eval_steps`` fails now, not at the first
+    evaluation, and a rank that fails stops the others too."""
+    error = None
+    try:
+        tokenizer = load_tokenizer(t)
+        rows = local_batch_size(t.batch_size, ctx.world_size)
+        stream_args = dict(tokenizer=tokenizer, batch_size=rows, seq_len=t.seq_len,
+                           rank=ctx.rank, world_size=ctx.world_size, seed=t.seed,
+                           val_fraction=t.val_fraction, val_docs=t.val_docs,
+                           dataset_config=t.dataset_config, retries=t.data_retries,
+                           backoff_s=t.data_backoff_s)
+        train_stream = build_stream(t.data, "train", **stream_args)
+        val_stream = build_stream(t.data, "val", **stream_args)
+        for _ in range(t.eval_steps):
+            val_stream.next_batch()
+        val_stream.reset()
+    except Exception as caught:  # raised below, on every rank
+        error = caught
+    fail_together(error, ctx, SetupError)
+    return tokenizer, train_stream, val_stream
+
+
+def check_attention_backend(model: ModelConfig, device: torch.device) -> None:
+    """SetupError, before any work, when NSA's ``backend`` cannot run on ``device``."""
+    if model.attention != "nsa" or model.backend != "triton":
+        return
+    if not TRITON_AVAILABLE:
+        raise SetupError(f"backend=triton needs Triton ({TRITON_MISSING_REASON}): install it on "
+                         "a CUDA machine, or backend=auto")
+    if device.type != "cuda" and not TRITON_INTERPRET:
+        raise SetupError("backend=triton needs a CUDA GPU (device=cuda): backend=auto or "
+                         "backend=torch runs on the CPU")
 
 
 def summarize(record: dict) -> str:
@@ -237,12 +309,49 @@ def summarize(record: dict) -> str:
     return text
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available")
-    return torch.device(name)
+@contextmanager
+def run_dir_lock(run_dir: Path, ctx: DistContext) -> Iterator[None]:
+    """Hold ``run_dir``'s lock (:func:`lock_run_dir`) for the block. Rank 0 takes it; when it
+    cannot, every rank raises the same RunDirError."""
+    lock, error = None, None
+    if ctx.is_main:
+        try:
+            lock = lock_run_dir(run_dir)
+        except RunDirError as caught:
+            error = caught
+    fail_together(error, ctx, RunDirError)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def lock_run_dir(run_dir: Path) -> int:
+    """Take an exclusive ``flock`` on ``run_dir/.lock`` (creating ``run_dir``) and write the
+    holder's pid and host into it; -> its file descriptor, whose closing releases the lock.
+    The kernel releases it when the process dies, however it dies, so no lock outlives its run.
+    RunDirError when another process holds it, naming that process, or ``run_dir`` cannot be
+    written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise RunDirError(f"run_dir {run_dir} is not writable: {error}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(lock, 256).decode(errors="replace").strip() or "another process"
+        os.close(lock)
+        raise RunDirError(f"run_dir {run_dir} is in use by {holder} (holding "
+                          f"{run_dir / RUN_LOCK}): wait for that run to end, or train in "
+                          "another run_dir=...") from None
+    except OSError as error:  # a file system without locks
+        os.close(lock)
+        raise RunDirError(f"cannot lock run_dir {run_dir}: {error}") from None
+    os.ftruncate(lock, 0)
+    os.write(lock, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    return lock
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool = False,

@@ -1,6 +1,8 @@
+import errno
 import io
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,9 @@ import torch
 
 from nsa.train import streams
 from nsa.train.data import TRAIN_STREAM, BatchSampler, load_corpus, split_tokens
+from nsa.train.errors import SetupError
 from nsa.train.streams import (
+    SPLITS,
     DataFormatError,
     IndexedStream,
     StreamError,
@@ -66,14 +70,6 @@ def parquet_file(tmp_path):
 def stream_of(source, split="train", **options):
     arguments = dict(tokenizer=BYTES, batch_size=2, seq_len=15, val_docs=VAL_DOCS, backoff_s=0.001)
     return build_stream(source, split, **{**arguments, **options})
-
-
-@pytest.fixture
-def sleeps(monkeypatch):
-    """The delays the streams sleep, recorded (and slept: they are tiny in these tests)."""
-    delays, sleep = [], streams.time.sleep
-    monkeypatch.setattr(streams.time, "sleep", lambda delay: (delays.append(delay), sleep(delay)))
-    return delays
 
 
 def test_rows_pack_the_training_documents_and_start_over_when_they_end(parquet_file):
@@ -202,20 +198,23 @@ def test_a_corrupted_file_is_named_and_not_retried(tmp_path, sleeps, name, conte
     assert sleeps == []
 
 
-def fail_after(texts, count):
+def fail_after(texts, count, error):
     yield from itertools.islice(texts, count)
-    raise ConnectionError("network down")
+    raise error
 
 
-def failing_opens(monkeypatch, plan: list[int]) -> list[int]:
-    """Make the i-th opening of a dataset yield ``plan[i]`` documents and raise ConnectionError
-    (openings past the plan work). -> the start document of each opening, appended as they come."""
+def failing_opens(monkeypatch, plan: list[int], error: Exception | None = None) -> list[int]:
+    """Make the i-th opening of a dataset yield ``plan[i]`` documents and raise ``error``, by
+    default a ConnectionError (openings past the plan work). -> the start document of each
+    opening, appended as they come."""
     open_documents, starts = streams.open_documents, []
 
     def open_failing(*args, start, **kwargs):
         texts = open_documents(*args, start=start, **kwargs)
         starts.append(start)
-        return texts if len(starts) > len(plan) else fail_after(texts, plan[len(starts) - 1])
+        if len(starts) > len(plan):
+            return texts
+        return fail_after(texts, plan[len(starts) - 1], error or ConnectionError("network down"))
 
     monkeypatch.setattr(streams, "open_documents", open_failing)
     return starts
@@ -241,6 +240,102 @@ def test_a_stream_that_keeps_failing_stops_with_the_last_error(parquet_file, mon
     with pytest.raises(StreamError, match=r"docs\.parquet failed 3 times.*network down"):
         rows(stream, 10)
     assert opened == [0, 3, 3] and sleeps == pytest.approx([0.001, 0.002])
+
+
+def hub_http_error(status: int) -> Exception:
+    """The error the hub client raises for an HTTP response with ``status``."""
+    httpx2 = pytest.importorskip("httpx2", reason="huggingface_hub of another HTTP client")
+    from huggingface_hub.errors import HfHubHTTPError
+
+    request = httpx2.Request("GET", "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu")
+    return HfHubHTTPError(f"{status} error", response=httpx2.Response(status, request=request))
+
+
+def hub_network_error() -> Exception:
+    """The error the hub client raises when it cannot reach the hub."""
+    httpx2 = pytest.importorskip("httpx2", reason="huggingface_hub of another HTTP client")
+    return httpx2.ConnectError("[Errno 101] Network is unreachable")
+
+
+@pytest.mark.parametrize("make_error", [
+    lambda: ConnectionError("connection reset"), lambda: TimeoutError("read timed out"),
+    lambda: OSError(errno.EIO, "Input/output error"), hub_network_error,
+    lambda: hub_http_error(503), lambda: hub_http_error(429),
+], ids=["ConnectionError", "TimeoutError", "EIO", "hub-unreachable", "hub-503", "hub-429"])
+def test_network_and_io_errors_are_retried(parquet_file, monkeypatch, sleeps, make_error):
+    expected = rows(stream_of(parquet_file), 3)
+    opened = failing_opens(monkeypatch, [0], make_error())
+    assert rows(stream_of(parquet_file), 3) == expected
+    assert opened == [0, 0] and sleeps == [0.001]
+
+
+@pytest.mark.parametrize("make_error, message", [
+    (lambda: ModuleNotFoundError("No module named 'datasets'", name="datasets"),
+     r'needs the datasets package: pip install "nsa\[train\]"'),
+    (lambda: PermissionError(errno.EACCES, "Permission denied", "/data/docs.parquet"),
+     "Permission denied: '/data/docs.parquet'"),
+    (lambda: FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/docs.parquet"),
+     "No such file or directory: '/data/docs.parquet'"),
+    (lambda: hub_http_error(404), "404 error"),
+], ids=["missing-module", "permission", "not-found", "hub-404"])
+def test_a_deterministic_error_fails_at_once(parquet_file, monkeypatch, sleeps, make_error,
+                                             message):
+    opened = failing_opens(monkeypatch, [0], make_error())
+    with pytest.raises(SetupError, match=message):
+        stream_of(parquet_file, backoff_s=60.0).next_batch()
+    assert opened == [0] and sleeps == []
+
+
+@pytest.mark.parametrize("package, missing", [
+    ("datasets", ["datasets", "datasets.distributed"]),
+    ("pyarrow", ["datasets", "datasets.distributed", "pyarrow"]),  # read before datasets
+])
+def test_a_missing_package_names_the_install(parquet_file, monkeypatch, sleeps, package,
+                                             missing):
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ModuleNotFoundError
+    with pytest.raises(SetupError, match=rf'{package} package: pip install "nsa\[train\]"'):
+        stream_of(parquet_file, backoff_s=60.0).next_batch()
+    assert sleeps == []
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "blank-lines.jsonl", "empty.parquet",
+                                  "empty.txt"])
+def test_an_empty_file_is_named_when_the_stream_is_built(tmp_path, sleeps, name):
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        path.write_text("\n\n" if name.startswith("blank") else "")
+    for split in SPLITS:
+        with pytest.raises(SetupError, match=rf"{re.escape(str(path))} holds no document"):
+            stream_of(str(path), split)
+    assert sleeps == []
+
+
+def test_an_empty_file_among_others_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text("a document")
+    (tmp_path / "b.txt").write_text("")
+    with pytest.raises(SetupError, match=r"b\.txt holds no document"):
+        stream_of(str(tmp_path), val_docs=0)
+
+
+@pytest.mark.parametrize("val_docs, world_size, message", [
+    (1000, 1, "holds 36 documents, and the first val_docs=1000 are held out for validation, "
+              "leaving none for training: set val_docs=35 or lower"),
+    (35, 2, "leaving 1 for training, and each of 2 ranks needs one: set val_docs=34 or lower"),
+], ids=["none-left", "too-few-for-the-ranks"])
+def test_too_few_documents_for_val_docs_is_named(parquet_file, val_docs, world_size, message):
+    for split in SPLITS:
+        with pytest.raises(SetupError, match=re.escape(message)):
+            stream_of(parquet_file, split, val_docs=val_docs, world_size=world_size)
+    stream_of(parquet_file, val_docs=34, world_size=2)  # one training document per rank
+
+
+def test_a_val_split_too_small_for_the_batches_names_eval_steps(parquet_file):
+    stream = stream_of(parquet_file, "val", batch_size=1)
+    with pytest.raises(SetupError, match=r"val_docs=5 .* set eval_steps=\d+ or lower"):
+        rows(stream, 100)
 
 
 def test_fineweb_streams_the_hub_dataset(parquet_file, monkeypatch):
