@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from nsa.train.config import RunConfig
 from nsa.train.distributed import DistContext, all_gather_objects, barrier
+from nsa.train.errors import SetupError
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
@@ -200,7 +201,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = read_trainer_state(path)
     saved = RunConfig.from_dict(state["config"])
     if saved.model != config.model:
-        raise ValueError(f"the model config differs from the checkpoint's: "
+        raise SetupError(f"the model config differs from the checkpoint's: "
                          f"{config_diff(saved.model, config.model)}")
     model_state, optim_state = get_state_dict(model, optimizer)
     to_load = {"model": model_state, "optim": optim_state}
@@ -233,7 +234,7 @@ def data_state_for_rank(states: list[dict], ctx: DistContext, path: Path) -> dic
         return states[ctx.rank]
     if all(set(s) == {"batch_index"} for s in states):
         return states[0]
-    raise ValueError(f"{path} was saved by {len(states)} ranks reading a document stream; "
+    raise SetupError(f"{path} was saved by {len(states)} ranks reading a document stream; "
                      f"its data position cannot be split over {ctx.world_size} ranks")
 
 

@@ -88,6 +88,13 @@ def test_resume_and_overwrite_exclude_each_other(tiny_overrides, cli_error, flag
             train(config, resume=resume, overwrite=True)
 
 
+def test_resuming_with_another_model_is_one_error_line(tiny_overrides, cli_error):
+    """A checkpoint of another model shape: the setting that differs, not a traceback."""
+    train(build_config("tiny", [*tiny_overrides, "max_steps=1", "sample_tokens=0"]))
+    line = cli_error(["train", *tiny_overrides, "max_steps=2", "dim=48", "--resume"])
+    assert line.startswith("nsa: error: the model config differs") and "dim" in line
+
+
 def test_a_missing_datasets_package_fails_at_once_naming_the_install(
         tmp_path, tiny_overrides, cli_error, monkeypatch, no_step, sleeps):
     for name in ("datasets", "datasets.distributed"):
