@@ -16,7 +16,7 @@ import torch
 import triton
 
 from nsa.ops.layout import SequenceLayout, expand_counts
-from nsa.ops.params import NSAParams
+from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.dense_branches import (
     MODE_CMP,
     MODE_WIN,
@@ -33,7 +33,6 @@ from nsa.ops.triton.selection import (
     _sum_segments_kernel,
 )
 
-LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles

@@ -18,8 +18,10 @@ import triton.language as tl
 from nsa.ops.triton.common import (
     add_tile,
     dot,
+    finite_part,
     load_tile,
     probs_and_dscores,
+    score_scale,
     softmax_finish,
     softmax_step,
     store_tile,
@@ -87,12 +89,13 @@ def _branch_fwd_kernel(
         s64 = s.to(tl.int64)
         k_ok = s < hi
         k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        scores = dot(q, tl.trans(k), IEEE)
+        v, v_poison = finite_part(
+            load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV))
+        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2) + v_poison[None, :]
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
-        scores = tl.where(valid, scores * scale_log2, float("-inf"))
-        m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
-    out, lse = softmax_finish(m, l, acc)
+        scores = tl.where(valid, scores, float("-inf"))
+        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    out, lse = softmax_finish(m, l, acc, scale_log2)
     store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
 
@@ -124,7 +127,8 @@ def _branch_bwd_dq_kernel(
         v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
         p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc += dot(ds.to(k.dtype), k, IEEE)
+        k_finite, _ = finite_part(k)
+        acc += dot(ds.to(k.dtype), k_finite, IEEE)
     add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
              BLOCK_DK)
 
@@ -173,9 +177,11 @@ def _branch_bwd_dkdv_kernel(
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
-        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
+        q_finite, _ = finite_part(q)
+        do_finite, do_poison = finite_part(do)
+        p, ds = probs_and_dscores(q, k, v, do, lse + do_poison, delta, valid, scale_log2, IEEE)
+        acc_v += dot(tl.trans(p).to(do.dtype), do_finite, IEEE)
+        acc_k += dot(tl.trans(ds).to(q.dtype), q_finite, IEEE)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)

@@ -25,8 +25,11 @@ import triton.language as tl
 from nsa.ops.triton.common import (
     add_tile,
     dot,
+    exp_scale,
+    finite_part,
     load_tile,
     probs_and_dscores,
+    score_scale,
     softmax_finish,
     softmax_step,
     store_tile,
@@ -135,11 +138,14 @@ def _select_kernel(
         kc = tl.load(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64)[:, None] * stride_kt
                      + h * stride_kh + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK),
                      other=0.0)
-        scores = dot(q, tl.trans(kc), IEEE)
+        scores = dot(q, tl.trans(kc), IEEE) * score_scale(scale_log2)
         visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
-        p = tl.where(visible, tl.exp2(scores * scale_log2 - lse[:, None]), 0.0)
+        p = tl.where(visible, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
         mass = tl.dot(p, w_here, input_precision="ieee") + carry  # [R, BJ] per head
         carry = tl.dot(p, w_next, input_precision="ieee")
+        # Other positions' rows meet here with weight 0: a NaN row (one that sees a NaN) must
+        # not reach them.
+        mass, _ = finite_part(mass)
         score = tl.dot(same_pos, mass, input_precision="ieee")  # [R, BJ] per group
         block = j0 + c
         candidate = block[None, :] <= current[:, None]
@@ -188,12 +194,12 @@ def _selected_fwd_kernel(
                                                BLOCK_S)
                 k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
                               BLOCK_DK)
-                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
-                              BLOCK_DV)
-                scores = dot(q, tl.trans(k), IEEE)
-                scores = tl.where(valid, scores * scale_log2, float("-inf"))
-                m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
-    out, lse = softmax_finish(m, l, acc)
+                v, v_poison = finite_part(load_tile(
+                    V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV))
+                scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2) + v_poison[None, :]
+                scores = tl.where(valid, scores, float("-inf"))
+                m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    out, lse = softmax_finish(m, l, acc, scale_log2)
     store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
 
@@ -230,7 +236,8 @@ def _selected_bwd_dq_kernel(
                 v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
                               BLOCK_DV)
                 p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-                acc += dot(ds.to(k.dtype), k, IEEE)
+                k_finite, _ = finite_part(k)
+                acc += dot(ds.to(k.dtype), k_finite, IEEE)
     add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
              BLOCK_DK)
 
@@ -278,9 +285,11 @@ def _selected_bwd_dkdv_kernel(
         lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
         valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
-        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
+        q_finite, _ = finite_part(q)
+        do_finite, do_poison = finite_part(do)
+        p, ds = probs_and_dscores(q, k, v, do, lse + do_poison, delta, valid, scale_log2, IEEE)
+        acc_v += dot(tl.trans(p).to(do.dtype), do_finite, IEEE)
+        acc_k += dot(tl.trans(ds).to(q.dtype), q_finite, IEEE)
     rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
     tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
