@@ -1,13 +1,10 @@
 """Per-kernel time of the Triton NSA backend under different launch shapes (rows, warps, stages).
 
     python bench/tune_kernels.py --seq 32768
-    python bench/tune_kernels.py --seq 32768 --selected-groups 1,2,4,8,16   # design per G
 
 Prints, for every kernel family of ``nsa.ops.triton.attention.TUNING``, the median time of its
 launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
-parameters (override with --heads/--dim). ``--selected-groups`` instead times the selected
-branch (forward, and dq + dK/dV) of both designs, per position and per tile of positions, for
-each group size G (HQ = 4G, H = 4), to place ``PER_POSITION_MIN_G``.
+parameters (override with --heads/--dim).
 """
 
 from __future__ import annotations
@@ -54,21 +51,6 @@ def stages(T, HQ, H, D):
     }
 
 
-def compare_selected_designs(T: int, groups: list[int], D: int) -> None:
-    print(f"# selected branch, T={T}, H=4, D={D}, bf16: per position vs tiles of positions")
-    print("| G | design | fwd ms | dq+dkdv ms |")
-    print("|---|---|---|---|")
-    threshold = kernels.PER_POSITION_MIN_G
-    for G in groups:
-        work = stages(T, 4 * G, 4, D)
-        for design, min_g in (("per position", 1), ("tiles", G + 1)):
-            kernels.PER_POSITION_MIN_G = min_g
-            fwd, bwd = (do_bench(work[name][0][1], warmup=10, rep=100, return_mode="median")
-                        for name in ("selected_fwd", "selected_dq"))
-            print(f"| {G} | {design} | {fwd:.2f} | {bwd:.2f} |", flush=True)
-    kernels.PER_POSITION_MIN_G = threshold
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=32768)
@@ -78,12 +60,7 @@ def main(argv=None):
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--num-stages", default="1,2,3")
     parser.add_argument("--families", default="dense_fwd,select,selected_fwd,dense_dq,selected_dq")
-    parser.add_argument("--selected-groups", default=None,
-                        help="G values: compare the two selected-branch designs instead")
     args = parser.parse_args(argv)
-    if args.selected_groups:
-        groups = [int(g) for g in args.selected_groups.split(",")]
-        return compare_selected_designs(args.seq, groups, args.dim)
     HQ, H = (int(x) for x in args.heads.split(","))
     work = stages(args.seq, HQ, H, args.dim)
     default = {name: dict(t) for name, t in kernels.TUNING.items()}

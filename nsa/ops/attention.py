@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from nsa.ops.params import NSAParams, check_attention_inputs, check_backend, check_select_inputs
-from nsa.ops.torch_backend import nsa_attention_torch, nsa_select_torch
+from nsa.ops.params import (
+    LOG2E,
+    NSAParams,
+    check_attention_inputs,
+    check_backend,
+    check_select_inputs,
+)
+from nsa.ops.torch_backend import _compute_dtype, nsa_attention_torch, nsa_select_torch
 from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET, TRITON_MISSING_REASON
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,12 +60,26 @@ def _resolve_backend(backend: str, q: torch.Tensor, params: NSAParams | None = N
     return backend
 
 
-def _scale(scale, head_dim: int) -> float:
+def _scale(scale, head_dim: int, dtype: torch.dtype) -> float:
+    """The softmax scale of all three branches, default ``head_dim ** -0.5``.
+
+    Any positive scale gives the spec's (finite) softmax: the backends never form
+    scale · q·k, which overflows where the softmax is still defined, but multiply score
+    differences from the row maximum by it (only a scale of at most 1 scales the scores).
+    What bounds it is the precision the scores are computed in (float32 for float32, bfloat16
+    and float16 inputs): the kernels' base-2 scale, scale · log2(e), must be a number there,
+    which the dtype tells without reading a tensor.
+    """
     if scale is None:
         return head_dim**-0.5
     if (isinstance(scale, bool) or not isinstance(scale, (int, float))
             or not 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    compute = _compute_dtype(dtype)
+    limit = torch.finfo(compute).max / LOG2E
+    if scale > limit:
+        raise ValueError(f"scale must be <= {limit:.4g} for {dtype} inputs (scale · log2(e) "
+                         f"finite in {compute}), got {scale!r}")
     return float(scale)
 
 
@@ -87,7 +107,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
     """
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init, num_local)
     check_attention_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, cu_seqlens)
-    scale = _scale(scale, q.shape[-1])
+    scale = _scale(scale, q.shape[-1], q.dtype)
     backend = _resolve_backend(backend, q, params)
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
@@ -96,7 +116,8 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, gates, *, k_win=None, v_win=None,
 
         return nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale,
                                     cu_seqlens)
-    return nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale, cu_seqlens)
+    return nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params, scale,
+                               cu_seqlens)
 
 
 def nsa_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16,
@@ -115,7 +136,7 @@ def nsa_select(q, k_cmp, *, cmp_block=32, cmp_stride=16, sel_block=64, num_selec
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, num_init=num_init,
                        num_local=num_local)
     check_select_inputs(q, k_cmp, params, cu_seqlens)
-    scale = _scale(scale, q.shape[-1])
+    scale = _scale(scale, q.shape[-1], q.dtype)
     if _resolve_backend(backend, q, params) == "triton":
         from nsa.ops.triton.attention import nsa_select_triton
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from nsa.ops.attention import _resolve_backend
-from nsa.ops.params import NSAParams, compressed_lengths
+from nsa.ops.attention import _resolve_backend, _scale
+from nsa.ops.params import LOG2E, NSAParams, compressed_lengths
 from nsa.ops.torch_backend import _compute_dtype, masked_attention, top_blocks
 
 
@@ -51,6 +51,9 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         [B, HQ, Dv] in the dtype of ``q``; with ``return_tokens_read`` also [B, H] int64: the
         cached tokens the step attended to per KV head (compressed + selected + window).
     """
+    scale = _scale(scale, q.shape[-1], q.dtype)
+    # Past the cache's capacity, n, l' and l change nothing but what the step allocates.
+    params = params.within(k.shape[1])
     if _resolve_backend(backend, q, params) == "triton":
         if return_tokens_read:
             raise ValueError("return_tokens_read needs backend='torch'")
@@ -59,7 +62,6 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
     B, HQ, Dk = q.shape
     S, H = k.shape[1], k.shape[2]
     G = HQ // H
-    scale = Dk**-0.5 if scale is None else scale
     dtype = _compute_dtype(q.dtype)
     # The G query heads of a KV head are the rows of one [G, S] score matrix per (b, h):
     # the attention's query dim holds them, so keys are never broadcast over G.
@@ -113,15 +115,16 @@ DECODE_CHUNK = 512  # fewest compressed tokens one program of the Triton compres
 DECODE_BLOCK_N = 64  # keys per step of the Triton kernels
 
 
-def merge_partials(m, l, acc):
-    """Softmax partials of splits -> (output, base-2 log-sum-exp): m, l [B, HQ, S] (running max
-    and sum, base 2), acc [B, HQ, S, Dv] (unnormalised); splits with no key have m = -inf."""
+def merge_partials(m, l, acc, exp_scale):
+    """Softmax partials of splits -> (output, log-sum-exp in the kernels' score units, see
+    ``nsa.ops.triton.common``): m, l [B, HQ, S] (running max score and sum), acc
+    [B, HQ, S, Dv] (unnormalised); splits with no key have m = -inf."""
     m_max = m.amax(-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m_max), m_max, torch.zeros_like(m_max))
-    weight = torch.exp2(m - m_safe)  # [B, HQ, S]; 0 for empty splits
+    weight = torch.exp2((m - m_safe) * exp_scale)  # [B, HQ, S]; 0 for empty splits
     total = (l * weight).sum(-1)  # [B, HQ]
     out = (acc * weight[..., None]).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, m_safe[..., 0] + torch.log2(total), float("inf"))
+    lse = torch.where(total > 0, m_safe[..., 0] + torch.log2(total) / exp_scale, float("inf"))
     return out, lse
 
 
@@ -148,9 +151,10 @@ def select_from_probs(p: torch.Tensor, pos: torch.Tensor, capacity: int,
     return top_blocks(scores, (pos // params.sel_block)[:, None, None], params)
 
 
-def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None, *,
+def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale: float, *,
                       k_win=None, v_win=None, window_ring=False):
-    """:func:`nsa_decode` with Triton kernels (CUDA tensors, or the Triton interpreter)."""
+    """:func:`nsa_decode` with Triton kernels (CUDA tensors, or the Triton interpreter); the
+    scale and parameters as :func:`nsa_decode` passes them (validated, ``within`` the cache)."""
     import triton
 
     from nsa.ops.triton.attention import _num_sms
@@ -159,7 +163,6 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     B, HQ, Dk = q.shape
     S, H, Dv, C = k.shape[1], k.shape[2], v.shape[-1], k_cmp.shape[1]
     G = HQ // H
-    scale = Dk**-0.5 if scale is None else scale
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     cache = (k, v, k_cmp, v_cmp, k_win, v_win)
@@ -176,7 +179,8 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     pow2 = lambda x: max(16, triton.next_power_of_2(x))  # noqa: E731
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_G=pow2(G), BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                 IEEE=k.dtype == torch.float32)
-    scale_log2 = scale * 1.4426950408889634
+    scale_log2 = scale * LOG2E
+    exp_scale = max(scale_log2, 1.0)  # as exp_scale(scale_log2) in the kernels
     # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
     splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * _num_sms(q.device),
                                                                    B * H)))
@@ -190,10 +194,10 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
         *k_cmp.stride()[:3], *v_cmp.stride()[:3], scores.stride(0), scores.stride(1),
         m.stride(0), m.stride(1), *acc.stride()[:3], H, chunk, scale_log2,
         BLOCK_N=DECODE_BLOCK_N, CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride, **meta)
-    o_cmp, lse = merge_partials(m, l, acc)  # [B, HQ, Dv], [B, HQ]
+    o_cmp, lse = merge_partials(m, l, acc, exp_scale)  # [B, HQ, Dv], [B, HQ]
     visible = torch.arange(scores.shape[-1], device=q.device) < visible_compressed(pos, params)[
         :, None, None]
-    p = torch.where(visible, torch.exp2(scores - lse[..., None]), 0.0)[..., :C]
+    p = torch.where(visible, torch.exp2((scores - lse[..., None]) * exp_scale), 0.0)[..., :C]
     idx = select_from_probs(p.view(B, H, G, C).sum(2), pos, S, params)  # [B, H, n]
     # Selected blocks and window chunks, one split each.
     block_s = max(16, triton.next_power_of_2(params.sel_block))
@@ -208,8 +212,8 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
         idx.stride(0), idx.stride(1), m.stride(0), m.stride(1), *acc.stride()[:3],
         H, scale_log2, BLOCK_S=block_s, NUM_SELECTED=n, SEL_BLOCK=params.sel_block,
         WINDOW=params.window, WINDOW_RING=window_ring, **meta)
-    o_slc, _ = merge_partials(m[..., :n], l[..., :n], acc[..., :n, :])
-    o_win, _ = merge_partials(m[..., n:], l[..., n:], acc[..., n:, :])
+    o_slc, _ = merge_partials(m[..., :n], l[..., :n], acc[..., :n, :], exp_scale)
+    o_win, _ = merge_partials(m[..., n:], l[..., n:], acc[..., n:, :], exp_scale)
     g = gates.float()
     out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
     return out.to(out_dtype)

@@ -6,13 +6,14 @@ Everything here follows ``NSA_SPEC.md``: invalid shapes, dtypes, devices or para
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "torch", "triton")
 MAX_INT = 2**31 - 1  # block parameters are int32 scalars in the kernels
+LOG2E = 1.4426950408889634  # the kernels' softmax is base 2: exp(x) = exp2(x · log2(e))
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,22 @@ class NSAParams:
 
     def compressed_length(self, seq_len: int) -> int:
         return compressed_length(seq_len, self.cmp_block, self.cmp_stride)
+
+    def within(self, length: int) -> NSAParams:
+        """The same op on sequences of at most ``length`` tokens, with the sizes that drive
+        allocations (n, l', l) no larger than ``length`` asks for (NSA_SPEC.md): a block
+        longer than the sequence is one block, whatever its length (cut to the multiple of d
+        that covers the sequence); a compressed token longer than it is never visible (cut to
+        the first multiple of d past it); and n past the ⌈length / l'⌉ blocks selects every
+        candidate, so the forced ones no longer matter."""
+        d = self.cmp_stride
+        sel_block = min(self.sel_block, d * max(1, -(-length // d)))
+        cmp_block = min(self.cmp_block, d * (length // d + 1))
+        num_blocks = max(1, -(-length // sel_block))
+        if self.num_selected <= num_blocks:
+            return replace(self, sel_block=sel_block, cmp_block=cmp_block)
+        return replace(self, sel_block=sel_block, cmp_block=cmp_block, num_selected=num_blocks,
+                       num_init=0, num_local=0)
 
 
 def compressed_length(seq_len: int, cmp_block: int, cmp_stride: int) -> int:

@@ -47,6 +47,37 @@ def _kv_heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).unsqueeze(2)
 
 
+def finite_part(x: torch.Tensor):
+    """(x with its non-finite entries replaced by 0, [...] per row of x: 0, or NaN where the
+    row holds a non-finite entry).
+
+    A masked (query, key) pair still meets in a matrix product, with a probability or a score
+    gradient of 0, and 0 · NaN is NaN: the products take finite parts only, and a non-finite
+    row reaches the pairs that see it through the scores instead (``masked_attention``).
+    """
+    finite = torch.isfinite(x)
+    poison = torch.where(finite.all(-1), 0.0, float("nan")).to(x.dtype)
+    return torch.where(finite, x, torch.zeros_like(x)), poison
+
+
+class _MaskedValues(torch.autograd.Function):
+    """probs @ v whose backward keeps masked pairs out of dv: a non-finite output gradient of
+    one row reaches only the values that row attends to (``mask``), not every value."""
+
+    @staticmethod
+    def forward(ctx, probs, v, mask):
+        ctx.save_for_backward(probs, v, mask)
+        return torch.matmul(probs, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, v, mask = ctx.saved_tensors
+        finite_grad, poison = finite_part(grad)
+        seen = torch.where(mask, probs + poison[..., None], torch.zeros_like(probs))
+        dv = torch.matmul(seen.transpose(-1, -2), finite_grad).sum_to_size(v.shape)
+        return torch.matmul(grad, v.transpose(-1, -2)), dv, None
+
+
 def masked_attention(q, k, v, mask, scale):
     """Softmax attention restricted to ``mask``; rows with no visible key give 0.
 
@@ -54,18 +85,28 @@ def masked_attention(q, k, v, mask, scale):
     [B, H, G, C, S]. Returns (out [B, H, G, C, Dv], probabilities [B, H, G, C, S]), in q's
     dtype. Keys and values may be in a lower precision than q (a decode step's cache): the
     products then run in theirs, scores and softmax in q's.
+
+    Masked pairs take no part: a non-finite query, key or value makes exactly the rows that
+    see it NaN (``finite_part``), in the output and in the gradients. The scale multiplies
+    score differences from the row maximum, never the scores, so any finite scale gives the
+    softmax (scale · q·k may overflow where exp(scale · (q·k - max)) cannot).
     """
-    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype) * scale
+    q, q_poison = finite_part(q)
+    k, k_poison = finite_part(k)
+    v, v_poison = finite_part(v)
+    scores = torch.matmul(q.to(k.dtype), k.transpose(-1, -2)).to(q.dtype)
     if scores.shape[-1] == 0:  # no key in range (e.g. no compressed token yet)
         return torch.matmul(scores, v.to(q.dtype)), scores
+    scores = scores + q_poison[..., None] + (k_poison + v_poison)[..., None, :]
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)
+    weights = torch.exp((scores - row_max) * scale)
     denom = weights.sum(dim=-1, keepdim=True)
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     probs = weights / denom
-    return torch.matmul(probs.to(v.dtype), v).to(q.dtype), probs
+    out = _MaskedValues.apply(probs.to(v.dtype), v, mask)
+    return out.to(q.dtype), probs
 
 
 def block_overlap(cmp_idx: torch.Tensor, num_blocks: int, params: NSAParams, dtype) -> torch.Tensor:
@@ -84,7 +125,8 @@ def select_blocks(p_cmp, cmp_idx, pos, params: NSAParams, num_blocks: int) -> to
 
     p_cmp [B, H, G, C, Nc]: compressed-attention probabilities; cmp_idx [Nc]: index of each
     compressed token within its sequence; pos [C]: query positions within their sequences.
-    Returns [B, H, C, n] int64 block indices, ascending, padded at the end with -1.
+    Returns [B, H, C, min(n, num_blocks)] int64 block indices, ascending, padded at the end
+    with -1.
     """
     group_p = p_cmp.sum(dim=2)  # [B, H, C, Nc]
     score = torch.matmul(group_p, block_overlap(cmp_idx, num_blocks, params, group_p.dtype))
@@ -95,7 +137,8 @@ def select_blocks(p_cmp, cmp_idx, pos, params: NSAParams, num_blocks: int) -> to
 def top_blocks(score: torch.Tensor, current: torch.Tensor, params: NSAParams) -> torch.Tensor:
     """The spec's top-n from block scores [..., NB] of queries whose own block is ``current``
     (broadcastable to score[..., :1]): the forced blocks, then the highest scores, ties to the
-    lower index. Returns [..., n] int64, ascending, padded at the end with -1."""
+    lower index. Returns [..., min(n, NB)] int64, ascending, padded at the end with -1: no
+    query has more than NB candidates, so a larger n selects (and allocates) no more."""
     num_blocks = score.shape[-1]
     blocks = torch.arange(num_blocks, device=score.device)  # [NB]
     candidate = blocks <= current
@@ -108,10 +151,7 @@ def top_blocks(score: torch.Tensor, current: torch.Tensor, params: NSAParams) ->
     chosen = torch.gather(key, -1, order) > float("-inf")
     order = torch.where(chosen, order, torch.full_like(order, num_blocks))
     order = torch.sort(order, dim=-1).values
-    order = torch.where(order == num_blocks, torch.full_like(order, -1), order)
-    if take < params.num_selected:
-        order = torch.nn.functional.pad(order, (0, params.num_selected - take), value=-1)
-    return order
+    return torch.where(order == num_blocks, torch.full_like(order, -1), order)
 
 
 def _compressed_branch(q, k_cmp, v_cmp, layout, t0, t1, params, scale):
@@ -131,7 +171,7 @@ def _compressed_branch(q, k_cmp, v_cmp, layout, t0, t1, params, scale):
 
 
 def _selected_branch(q, k, v, indices, layout, t0, t1, params, scale):
-    """Attention of queries [t0, t1) over their selected blocks. indices [B, H, C, n]."""
+    """Attention of queries [t0, t1) over their selected blocks. indices [B, H, C, <= n]."""
     B, H, C, _ = indices.shape
     num_blocks = (t1 - 1) // params.sel_block + 1
     # Scatter the indices into a [B, H, C, NB] block mask (-1 goes to a spare column).
@@ -140,11 +180,12 @@ def _selected_branch(q, k, v, indices, layout, t0, t1, params, scale):
     block_mask.scatter_(-1, picked, True)
     key_block = (layout.pos[:t1] // params.sel_block).expand(B, H, C, t1)
     key_mask = torch.gather(block_mask, -1, key_block)  # [B, H, C, S]
+    queries = torch.arange(t0, t1, device=indices.device)[:, None]
     causal = (layout.seq[:t1] == layout.seq[t0:t1, None]) & (
-        torch.arange(t1, device=indices.device) <= torch.arange(t0, t1, device=indices.device)[:, None]
-    )
+        torch.arange(t1, device=indices.device) <= queries)
     mask = (key_mask & causal).unsqueeze(2)  # [B, H, 1, C, S]
-    out, _ = masked_attention(q, _kv_heads_first(k[:, :t1]), _kv_heads_first(v[:, :t1]), mask, scale)
+    out, _ = masked_attention(q, _kv_heads_first(k[:, :t1]), _kv_heads_first(v[:, :t1]), mask,
+                              scale)
     return out
 
 
@@ -207,15 +248,17 @@ def nsa_attention_torch(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAP
                       indices=None if indices is None else indices[:, t0:t1])
         args = (q[:, t0:t1], k, v, k_cmp, v_cmp, k_win, v_win, gates[:, t0:t1])
         outputs.append(checkpoint(run, *args, use_reentrant=False) if needs_grad else run(*args))
-    if not outputs:  # T == 0: an empty output that is still part of the graph
-        return q.new_zeros(B, 0, HQ, v.shape[-1]) + 0 * q.sum()
+    if not outputs:  # T == 0: an empty output that is still part of every input's graph
+        inputs = sum(x.sum() for x in (q, k, v, k_cmp, v_cmp, k_win, v_win, gates))
+        return q.new_zeros(B, 0, HQ, v.shape[-1]) + 0 * inputs
     return torch.cat(outputs, dim=1)
 
 
 @torch.no_grad()
 def nsa_select_torch(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None,
                      chunk_size: int | None = None) -> torch.Tensor:
-    """Selected block indices [B, T, H, n] (int64, ascending, -1 padded)."""
+    """Selected block indices [B, T, H, n] (int64, ascending, -1 padded): the spec's shape,
+    whose columns past a query's candidates are padding only."""
     B, T, HQ, _ = q.shape
     H = k_cmp.shape[2]
     dtype = _compute_dtype(q.dtype)
@@ -223,14 +266,12 @@ def nsa_select_torch(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None,
     layout = SequenceLayout(T, k_cmp.shape[1], cu_seqlens, params, q.device)
     chunk = chunk_size or query_chunk_size(B, HQ, T)
     no_values = k_cmp[..., :0]
-    out = []
+    out = torch.full((B, T, H, params.num_selected), -1, dtype=torch.long, device=q.device)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         qh = _split_heads(q[:, t0:t1].to(dtype), H)
         _, p_cmp, cmp_idx = _compressed_branch(qh, k_cmp, no_values, layout, t0, t1, params, scale)
         num_blocks = (t1 - 1) // params.sel_block + 1
         indices = select_blocks(p_cmp, cmp_idx, layout.pos[t0:t1], params, num_blocks)
-        out.append(indices.permute(0, 2, 1, 3))  # [B, C, H, n]
-    if not out:
-        return torch.empty(B, 0, H, params.num_selected, dtype=torch.long, device=q.device)
-    return torch.cat(out, dim=1)
+        out[:, t0:t1, :, :indices.shape[-1]] = indices.permute(0, 2, 1, 3)  # [B, C, H, <= n]
+    return out

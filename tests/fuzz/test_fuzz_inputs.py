@@ -168,7 +168,10 @@ def break_param(draw, case: Case) -> tuple:
 
 
 def break_scale(draw, case: Case) -> tuple:
-    case.kw["scale"] = draw(st.sampled_from(BAD_SCALES))
+    """A scale that is no positive finite number, or one whose scale · log2(e) overflows the
+    float32 scores of float32, bfloat16 and float16 inputs."""
+    past_float32 = (3e38, 1e300) if case.spec["dtype"] != torch.float64 else ()
+    case.kw["scale"] = draw(st.sampled_from(BAD_SCALES + past_float32))
     return ("scale",)
 
 
@@ -301,7 +304,7 @@ def check_attention(case: Case, out: torch.Tensor) -> None:
         return
     assert torch.isfinite(out).all(), "non-finite output"
     if not 0 < B * T * HQ <= ORACLE_ROWS or case.kw["sel_block"] > ORACLE_BLOCK:
-        return  # empty (T = 0: see test_empty_sequence_gradients_...), or too slow for the oracle
+        return  # empty (T = 0: see tests/ops/test_robustness.py), or too slow for the oracle
     select_kw = {n: x for n, x in case.kw.items() if n != "window"}
     kw = {n: x for n, x in case.kw.items() if n != "backend"}
     idx = nsa.nsa_select(q, case.x["k_cmp"], **select_kw)
@@ -533,11 +536,12 @@ INVALID_LAYER_FIELDS = [
     ("compressor_hidden", -1), ("compressor_hidden", 2.5),
 ]
 # ModelConfig overrides build_config accepted, and that failed or gave NaN once the model ran.
-INVALID_MODEL_OVERRIDES = ["rope_base=nan", "rope_base=0", "norm_eps=nan", "norm_eps=-1", "mlp_hidden=-1",
-              "compressor_hidden=-4"]
+INVALID_MODEL_OVERRIDES = ["rope_base=nan", "rope_base=0", "norm_eps=nan", "norm_eps=-1",
+                           "mlp_hidden=-1", "compressor_hidden=-4"]
 
 
-@pytest.mark.parametrize("name,value", INVALID_LAYER_FIELDS, ids=[f"{n}={v!r}" for n, v in INVALID_LAYER_FIELDS])
+@pytest.mark.parametrize("name,value", INVALID_LAYER_FIELDS,
+                         ids=[f"{n}={v!r}" for n, v in INVALID_LAYER_FIELDS])
 def test_layer_fields_are_validated(name, value):
     with pytest.raises(ValueError, match=name):
         AttentionConfig(**dict(LAYER_BASE, **{name: value}))
@@ -554,15 +558,6 @@ def test_empty_batch_torch_backend():
     out = nsa.nsa_attention(*(x[n] for n in TENSORS[:6]), cmp_block=4, cmp_stride=2,
                             sel_block=4, num_selected=2, num_local=1, window=3, backend="torch")
     assert out.shape == (0, 5, 2, 4)
-
-
-def test_empty_sequence_gradients_torch_backend():
-    x = make_inputs(1, 0, 2, 1, 4, 4, cmp_block=4, cmp_stride=2)
-    x = {n: t.requires_grad_() for n, t in x.items()}
-    out = nsa.nsa_attention(*(x[n] for n in TENSORS[:6]), cmp_block=4, cmp_stride=2,
-                            sel_block=4, num_selected=2, num_local=1, window=3, backend="torch")
-    out.sum().backward()
-    assert x["q"].grad.shape == x["q"].shape
 
 
 @needs_interpreter

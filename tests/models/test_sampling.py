@@ -117,7 +117,7 @@ def test_the_decode_step_serves_one_cache_across_prefills(monkeypatch):
 def test_cuda_graph_generation_equals_eager_past_max_seq_len():
     config = ModelConfig(vocab_size=V, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
                          head_dim_k=32, head_dim_v=32, max_seq_len=64, cmp_block=16,
-                         cmp_stride=8, sel_block=32, num_selected=2, window=24)
+                         cmp_stride=8, sel_block=32, num_selected=3, window=24)
     torch.manual_seed(0)
     model = LanguageModel(config).cuda().eval()
     prompt = torch.randint(0, V, (2, 40), device="cuda")

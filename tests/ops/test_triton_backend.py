@@ -61,7 +61,8 @@ def make_inputs(B, T, HQ, H, Dk, Dv, cu, p, dtype, seed=0):
         Tc = sum(nsa.compressed_length(L, p["cmp_block"], p["cmp_stride"]) for L in lengths)
     shapes = dict(q=(B, T, HQ, Dk), k=(B, T, H, Dk), v=(B, T, H, Dv), k_cmp=(B, Tc, H, Dk),
                   v_cmp=(B, Tc, H, Dv), k_win=(B, T, H, Dk), v_win=(B, T, H, Dv))
-    x = {name: torch.randn(shape, generator=g, dtype=torch.float64) for name, shape in shapes.items()}
+    x = {name: torch.randn(shape, generator=g, dtype=torch.float64)
+         for name, shape in shapes.items()}
     x["gates"] = torch.rand(B, T, HQ, 3, generator=g, dtype=torch.float64)
     x = {name: t.to(DEVICE, dtype) for name, t in x.items()}
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
@@ -123,7 +124,8 @@ def assert_valid_selection(idx, scores, params, cu_seqlens, tolerance, positions
     NB = scores.shape[-1]
     blocks = torch.arange(NB, device=idx.device)
     candidate = blocks <= current[:, None]  # [T, NB]
-    forced = candidate & ((blocks < params.num_init) | (blocks > current[:, None] - params.num_local))
+    forced = candidate & ((blocks < params.num_init)
+                          | (blocks > current[:, None] - params.num_local))
     chosen = torch.zeros(B, T, H, NB + 1, dtype=torch.bool, device=idx.device)
     chosen.scatter_(-1, torch.where(idx < 0, NB, idx.long()), True)
     chosen = chosen[..., :NB]

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from nsa.ops.layout import SequenceLayout, expand_counts
-from nsa.ops.params import NSAParams
+from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.dense_branches import (
     MODE_CMP,
     MODE_WIN,
@@ -30,20 +30,14 @@ from nsa.ops.triton.selection import (
     _selected_bwd_dkdv_kernel,
     _selected_bwd_dq_kernel,
     _selected_fwd_kernel,
-    _selected_union_dq_kernel,
-    _selected_union_fwd_kernel,
     _sum_segments_kernel,
 )
 
-LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
 GATE_ROWS = 16  # rows per program of the gating kernels
-# Groups of at least this many query heads run the selected branch one position per program;
-# smaller ones share block loads between neighbouring positions (bench/NOTES.md, v5).
-PER_POSITION_MIN_G = 8
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
@@ -54,8 +48,6 @@ TUNING = {
     "select": dict(rows=64, num_warps=4, num_stages=1),  # rows: positions (heads looped)
     "selected_fwd": dict(rows=16, num_warps=4, num_stages=2),  # rows: the G heads of a position
     "selected_dq": dict(rows=16, num_warps=4, num_stages=2),
-    "selected_union_fwd": dict(rows=64, num_warps=4, num_stages=2),
-    "selected_union_dq": dict(rows=64, num_warps=4, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
 }
 
@@ -227,10 +219,11 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     P = tuning["rows"]
     num_tiles, start, end, seq_start, cmp_start = tile_table(tables, T, P)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
-    # Blocks per step: at least the top-n width, and 128 compressed tokens when that is more.
+    # Blocks per step: the top-n width, or up to 32 blocks of at most 128 compressed tokens
+    # when that is more (wider steps overflow shared memory with the overlap weights).
     tokens_per_block = params.sel_block // params.cmp_stride
     blocks_per_step = max(triton.next_power_of_2(params.num_selected),
-                          triton.next_power_of_2(max(1, 128 // tokens_per_block)))
+                          min(32, triton.next_power_of_2(max(1, 128 // tokens_per_block))))
     tokens = blocks_per_step * tokens_per_block
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
@@ -252,33 +245,24 @@ def _selected_meta(q, k, v, params):
                 BLOCK_S=_pow2(params.sel_block), IEEE=q.dtype == torch.float32)
 
 
-def _selected_launch(kind: str, q, k, v, tables, params):
-    """(kernel, grid, leading table arguments, meta) of the selected forward or dq: one
-    program per (position, KV head) for large groups, tiles of positions for small ones."""
+def _selected_launch(kind: str, q, k, v, params) -> dict:
+    """Meta-parameters and launch options of the selected forward or dq (one program per
+    position and KV head; no pipelining stages for head dims above 128: shared memory)."""
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
-    meta = _selected_meta(q, k, v, params)
-    if G >= PER_POSITION_MIN_G:
-        tuning = TUNING[f"selected_{kind}"]
-        kernel = _selected_fwd_kernel if kind == "fwd" else _selected_bwd_dq_kernel
-        stages = 1 if _pow2(max(Dk, Dv)) > 128 else tuning["num_stages"]
-        return kernel, (T, B * H), (tables.tok_pos,), dict(
-            meta, BLOCK_G=_pow2(G), num_warps=tuning["num_warps"], num_stages=stages)
-    R, launch = _launch(f"selected_union_{kind}", G, max(Dk, Dv))
-    num_tiles, start, end, seq_start, _ = tile_table(tables, T, R // G)
-    kernel = _selected_union_fwd_kernel if kind == "fwd" else _selected_union_dq_kernel
-    return kernel, (num_tiles, B * H), (start, end, seq_start), dict(
-        meta, BLOCK_R=R, NPAD=triton.next_power_of_2(params.num_selected), **launch)
+    tuning = TUNING[f"selected_{kind}"]
+    stages = 1 if _pow2(max(Dk, Dv)) > 128 else tuning["num_stages"]
+    return dict(_selected_meta(q, k, v, params), BLOCK_G=_pow2(G),
+                num_warps=tuning["num_warps"], num_stages=stages)
 
 
 def selected_forward(q, k, v, idx, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    kernel, grid, table_args, meta = _selected_launch("fwd", q, k, v, tables, params)
-    kernel[grid](
-        q, k, v, idx, o, lse, *table_args,
+    _selected_fwd_kernel[(T, B * H)](
+        q, k, v, idx, o, lse, tables.tok_pos,
         *_strides(q), *_strides(k), *_strides(v), *_strides(idx), *_strides(o),
-        *lse.stride()[:2], H, scale * LOG2E, **meta,
+        *lse.stride()[:2], H, scale * LOG2E, **_selected_launch("fwd", q, k, v, params),
     )
     return o, lse
 
@@ -323,11 +307,10 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = _common(q, k, v)
     meta = _selected_meta(q, k, v, params)
     strides_qkv = (*_strides(q), *_strides(k), *_strides(v))
-    kernel, grid, table_args, dq_meta = _selected_launch("dq", q, k, v, tables, params)
-    kernel[grid](
-        q, k, v, idx, do, lse, delta, dq, *table_args,
+    _selected_bwd_dq_kernel[(T, B * H)](
+        q, k, v, idx, do, lse, delta, dq, tables.tok_pos,
         *strides_qkv, *_strides(idx), *_strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, **dq_meta,
+        H, scale * LOG2E, scale, **_selected_launch("dq", q, k, v, params),
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.

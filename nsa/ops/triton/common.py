@@ -1,5 +1,18 @@
 """Pieces shared by the NSA Triton kernels: the matrix product, one online-softmax step and the
-backward's recomputed probabilities."""
+backward's recomputed probabilities.
+
+Units of the scores. With s = scale · log2(e), a score is kept as q·k · min(s, 1) and
+exponentiated as exp2(max(s, 1) · (score - max)): for s <= 1 that is the usual s · q·k and
+exp2(score - max); for s > 1 the scale only multiplies differences from the row maximum, which
+are <= 0, so no finite scale overflows (q·k · s would, past float32's range, while the softmax
+is still defined). Log-sum-exps are in the same units: max + log2(sum) / max(s, 1).
+
+Masks. A masked (query, key) pair still meets in the tile products, with a probability or a
+score gradient of 0, and 0 · NaN is NaN: a NaN in a key or value after a query's position can
+reach it in a tile both share. Taking every tile through a finiteness mask cost 42 ms of a
+182 ms forward+backward at 64k (bench/NOTES.md, v5), so the kernels do not: non-finite
+inputs are the PyTorch backend's contract for now (tests/ops/test_robustness.py).
+"""
 
 from __future__ import annotations
 
@@ -16,29 +29,44 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(scores, m, l, acc, v, IEEE: tl.constexpr):
-    """Fold a tile of base-2 scores (-inf where masked) and its values into (m, l, acc)."""
+def score_scale(scale_log2):
+    """What q·k is multiplied by: min(s, 1) (see the module docstring)."""
+    return tl.minimum(scale_log2, 1.0)
+
+
+@triton.jit
+def exp_scale(scale_log2):
+    """What score differences are multiplied by before exp2: max(s, 1)."""
+    return tl.maximum(scale_log2, 1.0)
+
+
+@triton.jit
+def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
+    """Fold a tile of scores (-inf where masked) and its values into (m, l, acc)."""
+    c = exp_scale(scale_log2)
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2((m - m_safe) * c)
+    p = tl.exp2((scores - m_safe[:, None]) * c)
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
 
 
 @triton.jit
-def softmax_finish(m, l, acc):
-    """(output, base-2 log-sum-exp); rows that saw no key give 0 and +inf."""
+def softmax_finish(m, l, acc, scale_log2):
+    """(output, log-sum-exp); rows that saw no key give 0 and +inf."""
     has_keys = l > 0
     safe_l = tl.where(has_keys, l, 1.0)
-    return acc / safe_l[:, None], tl.where(has_keys, m + tl.log2(safe_l), float("inf"))
+    lse = m + tl.log2(safe_l) / exp_scale(scale_log2)
+    return acc / safe_l[:, None], tl.where(has_keys, lse, float("inf"))
 
 
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta)."""
-    p = tl.where(valid, tl.exp2(dot(q, tl.trans(k), IEEE) * scale_log2 - lse[:, None]), 0.0)
+    scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
+    p = tl.where(valid, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
     return p, ds
 

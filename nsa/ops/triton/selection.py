@@ -9,14 +9,10 @@
   the next step's blocks is carried. A running top-n per position is kept as int64 keys
   ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to the lower index),
   merged with each step's keys. No score matrix is written: memory is linear in T.
-* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel`` (large G): one program per
-  (position, KV head), the G query heads as rows, iterating only that position's own blocks
-  (its first min(n, candidates) slots: the rest are padding).
-* ``_selected_union_fwd_kernel`` / ``_selected_union_dq_kernel`` (small G): rows are
-  (position, head) pairs of a tile of consecutive positions, which visits the union of its
-  positions' blocks once each, every row seeing only its own position's: neighbouring
-  positions share the loads of common blocks, which per-position programs of one or two
-  heads would each repeat.
+* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: one program per (position, KV head),
+  the G query heads as rows, iterating only that position's own blocks (its first
+  min(n, candidates) slots: the rest are padding). Keys past the position load as zeros and
+  are never multiplied in.
 * ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SEGMENT`` entries of a key
   block's list of the positions that selected it (an inverse index built by a sort); long lists
   (the forced first block is chosen by every position) are split so no program runs alone for
@@ -32,8 +28,10 @@ import triton.language as tl
 from nsa.ops.triton.common import (
     add_tile,
     dot,
+    exp_scale,
     load_tile,
     probs_and_dscores,
+    score_scale,
     softmax_finish,
     softmax_step,
     store_tile,
@@ -98,8 +96,8 @@ def _select_kernel(
         for g in range(G):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
-            scores = dot(q, tl.trans(kc), IEEE) * scale_log2
-            p += tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+            scores = dot(q, tl.trans(kc), IEEE) * score_scale(scale_log2)
+            p += tl.where(visible, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
         score = tl.dot(p, w_here, input_precision="tf32x3") + carry  # [P, BJ]
         carry = tl.dot(p, w_next, input_precision="tf32x3")
         block = j0 + c
@@ -177,9 +175,10 @@ def _selected_fwd_kernel(
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                      BLOCK_DV, SEL_BLOCK, BLOCK_S)
-        scores = tl.where(k_ok[None, :], dot(q, tl.trans(k), IEEE) * scale_log2, float("-inf"))
-        m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
-    out, lse = softmax_finish(m, l, acc)
+        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
+        scores = tl.where(k_ok[None, :], scores, float("-inf"))
+        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    out, lse = softmax_finish(m, l, acc, scale_log2)
     store_tile(O + b * stride_ob + t * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
 
@@ -211,131 +210,6 @@ def _selected_bwd_dq_kernel(
         p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
         acc += dot(ds.to(k.dtype), k, IEEE)
     add_tile(DQ + b * stride_qb + t * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
-             BLOCK_DK)
-
-
-@triton.jit
-def _tile_rows(tile, tile_start, tile_end, tile_seq_start, P: tl.constexpr, G: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    r = tl.arange(0, BLOCK_R)
-    t0 = tl.load(tile_start + tile)
-    t_end = tl.load(tile_end + tile)
-    seq_start = tl.load(tile_seq_start + tile)
-    t = t0 + r // G
-    row_ok = (r < P * G) & (t < t_end)
-    return r, t, row_ok, seq_start, t_end
-
-
-@triton.jit
-def _selected_rows(IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H,
-                   G: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
-                   NPAD: tl.constexpr):
-    """This program's rows and the blocks each row's position selected ([R, NPAD], -1 padded)."""
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    r, t, row_ok, seq_start, t_end = _tile_rows(tile, tile_start, tile_end, tile_seq_start,
-                                                BLOCK_R // G, G, BLOCK_R)
-    slot = tl.arange(0, NPAD)
-    idx_ptr = IDX + b * stride_ib + h * stride_ih
-    mine = tl.load(idx_ptr + t.to(tl.int64)[:, None] * stride_it + slot[None, :],
-                   mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED), other=-1)
-    return (b, h, r, t, h * G + r % G, row_ok, seq_start, t_end, tl.load(tile_start + tile),
-            idx_ptr, mine)
-
-
-@triton.jit
-def _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G: tl.constexpr):
-    """Slot c of position t0 + pp, and whether this is its first visit in the tile (valid and
-    not chosen by an earlier position of the tile): each block is visited once."""
-    block = tl.load(idx_ptr + (t0 + pp).to(tl.int64) * stride_it + c)
-    earlier = tl.sum(tl.where((mine == block) & ((r // G) < pp)[:, None], 1, 0))
-    return block, (block >= 0) & (earlier == 0)
-
-
-@triton.jit
-def _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Key positions of ``block``; [R, BLOCK_S] mask of the rows that selected it (causal)."""
-    s = seq_start + block * SEL_BLOCK + tl.arange(0, BLOCK_S)
-    k_ok = (tl.arange(0, BLOCK_S) < SEL_BLOCK) & (s < t_end)
-    row_sel = tl.sum(tl.where(mine == block, 1, 0), axis=1) > 0
-    valid = row_sel[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-    return s.to(tl.int64), k_ok, valid
-
-
-@triton.jit
-def _selected_union_fwd_kernel(
-    Q, K, V, IDX, O, LSE, tile_start, tile_end, tile_seq_start,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    H, scale_log2,
-    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
-    NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-):
-    b, h, r, t, hq, row_ok, seq_start, t_end, t0, idx_ptr, mine = _selected_rows(
-        IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H, G,
-        BLOCK_R, NUM_SELECTED, NPAD)
-    t64 = t.to(tl.int64)
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    num_pos = tl.minimum(BLOCK_R // G, t_end - t0)
-    for pp in range(0, num_pos):
-        for c in range(0, NUM_SELECTED):
-            block, first_visit = _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G)
-            if first_visit:
-                s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
-                                               BLOCK_S)
-                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
-                              BLOCK_DK)
-                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
-                              BLOCK_DV)
-                scores = dot(q, tl.trans(k), IEEE)
-                scores = tl.where(valid, scores * scale_log2, float("-inf"))
-                m, l, acc = softmax_step(scores, m, l, acc, v, IEEE)
-    out, lse = softmax_finish(m, l, acc)
-    store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
-    tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
-
-
-@triton.jit
-def _selected_union_dq_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ, tile_start, tile_end, tile_seq_start,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    H, scale_log2, scale,
-    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
-    NPAD: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-):
-    b, h, r, t, hq, row_ok, seq_start, t_end, t0, idx_ptr, mine = _selected_rows(
-        IDX, tile_start, tile_end, tile_seq_start, stride_ib, stride_it, stride_ih, H, G,
-        BLOCK_R, NUM_SELECTED, NPAD)
-    t64 = t.to(tl.int64)
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    num_pos = tl.minimum(BLOCK_R // G, t_end - t0)
-    for pp in range(0, num_pos):
-        for c in range(0, NUM_SELECTED):
-            block, first_visit = _tile_block(idx_ptr, t0, pp, c, stride_it, mine, r, G)
-            if first_visit:
-                s64, k_ok, valid = _block_keys(block, seq_start, t_end, t, mine, SEL_BLOCK,
-                                               BLOCK_S)
-                k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
-                              BLOCK_DK)
-                v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
-                              BLOCK_DV)
-                p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-                acc += dot(ds.to(k.dtype), k, IEEE)
-    add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
              BLOCK_DK)
 
 
