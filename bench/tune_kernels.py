@@ -2,7 +2,7 @@
 
     python bench/tune_kernels.py --seq 32768
 
-Prints, for every kernel family of ``nsa.ops.triton.attention.TUNING``, the median time of its
+Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the median time of its
 launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
 parameters (override with --heads/--dim).
 """
@@ -17,8 +17,11 @@ from triton.testing import do_bench
 
 import nsa
 from nsa.ops.params import NSAParams
-from nsa.ops.triton import attention as kernels
-from nsa.ops.triton.dense_branches import MODE_CMP, MODE_WIN
+from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.launch import TUNING
+from nsa.ops.triton.selected import selected_backward, selected_forward
+from nsa.ops.triton.selection import select
+from nsa.ops.triton.tables import build_tables
 
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
@@ -29,24 +32,31 @@ def stages(T, HQ, H, D):
     q, k, v = make(1, T, HQ, D), make(1, T, H, D), make(1, T, H, D)
     kc, vc = make(1, Tc, H, D), make(1, Tc, H, D)
     scale = D**-0.5
-    layout = kernels.build_tables(T, Tc, None, PAPER, q.device)
-    o_cmp, lse_cmp = kernels.branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
-    idx = kernels.select(q, kc, lse_cmp, layout, PAPER, scale)
-    o_slc, lse_slc = kernels.selected_forward(q, k, v, idx, layout, PAPER, scale)
-    o_win, lse_win = kernels.branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
+    layout = build_tables(T, Tc, None, PAPER, q.device)
+    o_cmp, lse_cmp = branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
+    idx = select(q, kc, lse_cmp, layout, PAPER, scale)
+    o_slc, lse_slc = selected_forward(q, k, v, idx, layout, PAPER, scale)
+    o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
     do = make(1, T, HQ, D)  # the branch gradients the backward kernels read are bf16
     dq = torch.zeros(1, T, HQ, D, device="cuda")
     delta = lambda o: (do * o).sum(-1).contiguous()  # noqa: E731
     d_cmp, d_slc, d_win = delta(o_cmp), delta(o_slc), delta(o_win)
+
+    def backward(kv, lse, d, mode):
+        return lambda: branch_backward(q, *kv, do, lse, d, dq, layout, mode, PAPER, scale)
+
     return {
-        "dense_fwd": [("cmp", lambda: kernels.branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)),
-                      ("win", lambda: kernels.branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
-        "select": [("select", lambda: kernels.select(q, kc, lse_cmp, layout, PAPER, scale))],
-        "selected_fwd": [("slc", lambda: kernels.selected_forward(q, k, v, idx, layout, PAPER, scale))],
-        "dense_dq": [("cmp+dkdv", lambda: kernels.branch_backward(q, kc, vc, do, lse_cmp, d_cmp, dq, layout, MODE_CMP, PAPER, scale)),
-                     ("win+dkdv", lambda: kernels.branch_backward(q, k, v, do, lse_win, d_win, dq, layout, MODE_WIN, PAPER, scale))],
+        "dense_fwd": [
+            ("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)),
+            ("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
+        "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
+        "selected_fwd": [
+            ("slc", lambda: selected_forward(q, k, v, idx, layout, PAPER, scale))],
+        "dense_dq": [("cmp+dkdv", backward((kc, vc), lse_cmp, d_cmp, MODE_CMP)),
+                     ("win+dkdv", backward((k, v), lse_win, d_win, MODE_WIN))],
         "dense_dkdv": [],  # timed inside dense_dq's entries
-        "selected_dq": [("slc bwd", lambda: kernels.selected_backward(q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))],
+        "selected_dq": [("slc bwd", lambda: selected_backward(
+            q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))],
         "selected_dkdv": [],  # timed inside selected_dq's entry
     }
 
@@ -63,7 +73,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
     work = stages(args.seq, HQ, H, args.dim)
-    default = {name: dict(t) for name, t in kernels.TUNING.items()}
+    default = {name: dict(t) for name, t in TUNING.items()}
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
                                   map(int, args.num_stages.split(","))))
     # Backward entries run two families (dq then dk/dv): tune them together.
@@ -77,7 +87,7 @@ def main(argv=None):
             timings = []
             for rows, warps, n_stages in grid:
                 for m in members:
-                    kernels.TUNING[m] = dict(rows=rows, num_warps=warps, num_stages=n_stages)
+                    TUNING[m] = dict(rows=rows, num_warps=warps, num_stages=n_stages)
                 try:
                     ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
@@ -86,7 +96,7 @@ def main(argv=None):
                           f"{type(error).__name__}")
                 timings.append((ms, rows, warps, n_stages))
             for m in members:
-                kernels.TUNING[m] = dict(default[m])
+                TUNING[m] = dict(default[m])
             timings.sort()
             best = ", ".join(f"{ms:.2f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
             print(f"{family:13s} {label:9s} best: {best}", flush=True)

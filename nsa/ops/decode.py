@@ -157,8 +157,8 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     scale and parameters as :func:`nsa_decode` passes them (validated, ``within`` the cache)."""
     import triton
 
-    from nsa.ops.triton.attention import _num_sms
     from nsa.ops.triton.decode import _decode_cmp_kernel, _decode_sparse_kernel
+    from nsa.ops.triton.launch import num_sms
 
     B, HQ, Dk = q.shape
     S, H, Dv, C = k.shape[1], k.shape[2], v.shape[-1], k_cmp.shape[1]
@@ -182,7 +182,7 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
     scale_log2 = scale * LOG2E
     exp_scale = max(scale_log2, 1.0)  # as exp_scale(scale_log2) in the kernels
     # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
-    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * _num_sms(q.device),
+    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * num_sms(q.device),
                                                                    B * H)))
     chunk = triton.cdiv(max(C, 1), splits * DECODE_BLOCK_N) * DECODE_BLOCK_N
     splits = triton.cdiv(max(C, 1), chunk)

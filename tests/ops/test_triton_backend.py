@@ -210,7 +210,7 @@ def test_triton_rejects_float64():
 
 def test_segmented_backward_equals_unsegmented(monkeypatch):
     """dK/dV split into many segments (summed in a fixed order) equal one segment per list."""
-    from nsa.ops.triton import attention as kernels
+    from nsa.ops.triton import compressed_window, selected
 
     case = (1, 61, 4, 2, 16, 16, [0, 9, 61], SMALL)
     x, cu_seqlens = make_inputs(*case, torch.float32)
@@ -223,8 +223,8 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
         return torch.autograd.grad(out.square().sum(), [inputs[n] for n in INPUTS])
 
     whole = grads()
-    monkeypatch.setattr(kernels, "CMP_SEGMENT", 8)
-    monkeypatch.setattr(kernels, "SELECTED_SEGMENT", 3)
+    monkeypatch.setattr(compressed_window, "CMP_SEGMENT", 8)
+    monkeypatch.setattr(selected, "SELECTED_SEGMENT", 3)
     split = grads()
     for name, a, b in zip(INPUTS, split, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,4 +1,5 @@
-"""The gated combination of the three branches, forward and backward, one pass each.
+"""The gated combination of the three branches, forward and backward, one pass each: the
+Triton kernels, then their launch wrappers.
 
 Rows are the flattened (batch, position, query head) triples; every tensor is contiguous.
 Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward, for each branch i:
@@ -9,8 +10,13 @@ so that p (dp - delta) cancels exactly where it should.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from nsa.ops.triton.launch import pow2
+
+GATE_ROWS = 16  # rows per program of the gating kernels
 
 
 @triton.jit
@@ -58,3 +64,27 @@ def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, DO_CMP, DO_SLC, DO_WIN
     _branch_gate_grad(do, O_CMP, GATES, DO_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets, mask)
     _branch_gate_grad(do, O_SLC, GATES, DO_SLC, DELTA_SLC, DGATES, 1, r, row_ok, offsets, mask)
     _branch_gate_grad(do, O_WIN, GATES, DO_WIN, DELTA_WIN, DGATES, 2, r, row_ok, offsets, mask)
+
+
+# Launch wrappers -------------------------------------------------------------------------
+
+
+def gated_sum(o_cmp, o_slc, o_win, gates, dtype):
+    """out [B, T, HQ, Dv] in ``dtype`` = Σ_i gates[..., i] o_i (branch outputs in float32)."""
+    out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
+    N, Dv = out.numel() // out.shape[-1], out.shape[-1]
+    _gated_sum_kernel[(triton.cdiv(N, GATE_ROWS),)](
+        o_cmp, o_slc, o_win, gates, out, N, DV=Dv, BLOCK_D=pow2(Dv), ROWS=GATE_ROWS)
+    return out
+
+
+def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, dtype):
+    """-> (do_branch [3, B, T, HQ, Dv] in ``dtype``, delta [3, B, T, HQ], dgates float32)."""
+    N, Dv = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
+    do_branch = torch.empty(3, *o_cmp.shape, dtype=dtype, device=o_cmp.device)
+    delta = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=o_cmp.device)
+    dgates = torch.empty(gates.shape, dtype=torch.float32, device=o_cmp.device)
+    _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
+        grad_out, gates, o_cmp, o_slc, o_win, *do_branch, *delta, dgates, N, DV=Dv,
+        BLOCK_D=pow2(Dv), ROWS=GATE_ROWS)
+    return do_branch, delta, dgates

@@ -1,6 +1,7 @@
-"""Triton kernels for the two NSA branches whose keys are a contiguous range per query:
-compressed attention (keys: the visible compressed tokens of the query's sequence) and
-sliding-window attention (keys: the last ``window`` tokens of the query's sequence).
+"""The two NSA branches whose keys are a contiguous range per query, Triton kernels then their
+launch wrappers: compressed attention (keys: the visible compressed tokens of the query's
+sequence) and sliding-window attention (keys: the last ``window`` tokens of the query's
+sequence).
 
 Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R // G`` consecutive
 positions times the ``G`` query heads that share the KV head, so small groups still fill a
@@ -12,9 +13,11 @@ tile, looping over the queries that can see it), no atomics.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import (
     add_tile,
     dot,
@@ -25,7 +28,11 @@ from nsa.ops.triton.common import (
     softmax_step,
     store_tile,
 )
+from nsa.ops.triton.launch import launch_shape, num_sms, pow2, shapes, strides
 
+BLOCK_N = 64  # keys per step of the compressed and window kernels
+CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
+MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
 MODE_CMP = 0
 MODE_WIN = 1
 
@@ -181,3 +188,68 @@ def _branch_bwd_dkdv_kernel(
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
     store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)
+
+
+
+# Launch wrappers -------------------------------------------------------------------------
+
+
+def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> int:
+    """Query positions per dK/dV segment: at most ``longest``, fewer (not below MIN_SEGMENT)
+    when ``programs`` key tiles alone would leave SMs idle (aim: two programs per SM)."""
+    wanted = triton.cdiv(2 * num_sms(device), max(programs, 1))
+    return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
+
+
+def branch_forward(q, k, v, tables, mode, params, scale):
+    """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    R, launch = launch_shape("dense_fwd", G, max(Dk, Dv))
+    grid = (triton.cdiv(T, R // G), B * H)
+    _branch_fwd_kernel[grid](
+        q, k, v, o, lse, tables.tok_pos, tables.tok_cmp_start,
+        *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
+        T, k.shape[1], H, scale * LOG2E,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
+        MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, **launch,
+    )
+    return o, lse
+
+
+def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
+    """Adds this branch's dq into ``dq`` (float32) and returns (dk, dv) in float32."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    NK = k.shape[1]
+    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
+                BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+                CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
+    tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
+    R, launch = launch_shape("dense_dq", G, max(Dk, Dv))
+    _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
+        q, k, v, do, lse, delta, dq, tables.tok_pos, tables.tok_cmp_start, *tensor_strides,
+        T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
+    )
+    # A compressed key is seen by every later query: split the queries into segments so the
+    # first key tiles do not run alone; window keys are seen by at most w queries, and are
+    # split only when there are too few key tiles to fill the GPU (short T, small B * H).
+    segment = _dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
+                            CMP_SEGMENT if mode == MODE_CMP else T)
+    segments = triton.cdiv(T, segment)
+    dk = torch.empty(segments, *k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(segments, *v.shape, dtype=torch.float32, device=q.device)
+    if mode == MODE_CMP:
+        t_lo, t_hi = tables.cmp_t_lo, tables.cmp_t_hi
+    else:
+        t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), tables.tok_t_hi
+    if NK:
+        R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv))
+        _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
+            q, k, v, do, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
+            t_lo, t_hi, *tensor_strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
+            dv.stride(0), T, NK, H, segment, scale * LOG2E,
+            scale, BLOCK_R=R, **meta, **launch,
+        )
+    return dk.sum(0), dv.sum(0)

@@ -1,0 +1,315 @@
+"""Attention over the selected blocks: Triton kernels, then their launch wrappers.
+
+* ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: one program per (position, KV head),
+  the G query heads as rows, iterating only that position's own blocks (its first
+  min(n, candidates) slots: the rest are padding). Keys past the position load as zeros and
+  are never multiplied in.
+* ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SELECTED_SEGMENT``
+  entries of a key block's list of the positions that selected it (an inverse index built by a
+  sort); long lists (the forced first block is chosen by every position) are split so no
+  program runs alone for long. Each segment writes a partial dK/dV; ``_sum_segments_kernel``
+  adds a block's partials in a fixed order: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.ops.layout import expand_counts
+from nsa.ops.params import LOG2E, NSAParams
+from nsa.ops.triton.common import (
+    add_tile,
+    dot,
+    load_tile,
+    probs_and_dscores,
+    score_scale,
+    softmax_finish,
+    softmax_step,
+    store_tile,
+)
+from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides
+from nsa.ops.triton.tables import KernelTables, i32
+
+SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
+
+
+@triton.jit
+def _position_rows(Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G: tl.constexpr,
+                   DK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
+    """Program (t, b·H + h): (b, h, t, its sequence's start, query heads hq [BLOCK_G], row
+    mask, q [BLOCK_G, BLOCK_DK], number of selected blocks min(n, candidates))."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    pos = tl.load(TOK_POS + t)
+    g = tl.arange(0, BLOCK_G)
+    row_ok = g < G
+    hq = h * G + g
+    q = load_tile(Q + b * stride_qb + t * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    num_blocks = tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
+    return b, h, t, t - pos, hq, row_ok, q, num_blocks
+
+
+@triton.jit
+def _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb, stride_kt, stride_kh,
+                    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Keys, values [BLOCK_S, D] of the block in ``slot`` of position t, and the mask of its
+    tokens s <= t (masked rows load as 0, so nothing beyond t is ever read)."""
+    block = tl.load(IDX + b * stride_ib + t * stride_it + h * stride_ih + slot)
+    offs = tl.arange(0, BLOCK_S)
+    s = seq_start + block * SEL_BLOCK + offs
+    k_ok = (offs < SEL_BLOCK) & (s <= t)
+    s64 = s.to(tl.int64)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    return k, v, k_ok
+
+
+@triton.jit
+def _selected_fwd_kernel(
+    Q, K, V, IDX, O, LSE, TOK_POS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
+        Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
+        NUM_SELECTED, SEL_BLOCK)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for slot in range(0, num_blocks):
+        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
+        scores = tl.where(k_ok[None, :], scores, float("-inf"))
+        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    out, lse = softmax_finish(m, l, acc, scale_log2)
+    store_tile(O + b * stride_ob + t * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
+    tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _selected_bwd_dq_kernel(
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, TOK_POS,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
+        Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
+        NUM_SELECTED, SEL_BLOCK)
+    do = load_tile(DO + b * stride_ob + t * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+    lse = tl.load(LSE + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
+    for slot in range(0, num_blocks):
+        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        valid = row_ok[:, None] & k_ok[None, :]
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc += dot(ds.to(k.dtype), k, IEEE)
+    add_tile(DQ + b * stride_qb + t * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
+             BLOCK_DK)
+
+
+@triton.jit
+def _selected_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
+    seg_list, seg_lo, seg_hi, entry_pos,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    H, NUM_GLOBAL_BLOCKS, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list."""
+    P: tl.constexpr = BLOCK_R // G
+    seg = tl.program_id(0)
+    list_id = tl.load(seg_list + seg)
+    e_lo = tl.load(seg_lo + seg)
+    e_hi = tl.load(seg_hi + seg)
+    pid_bh = list_id // NUM_GLOBAL_BLOCKS
+    gblock = list_id % NUM_GLOBAL_BLOCKS
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    s_lo = tl.load(block_token_start + gblock)
+    s_hi = tl.load(block_token_end + gblock)
+    s = s_lo + tl.arange(0, BLOCK_S)
+    s64 = s.to(tl.int64)
+    k_ok = s < s_hi
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
+    acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+    r = tl.arange(0, BLOCK_R)
+    for e0 in range(e_lo, e_hi, P):
+        e = e0 + r // G
+        row_ok = (r < P * G) & (e < e_hi)
+        t = tl.load(entry_pos + e, mask=row_ok, other=0)
+        hq = h * G + r % G
+        t64 = t.to(tl.int64)
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+        lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+        valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
+        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
+    rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
+    tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
+
+
+@triton.jit
+def _sum_segments_kernel(
+    PART, OUT, block_token_start, block_token_end, list_seg_first, list_seg_count,
+    stride_b, stride_t, stride_h, H, NUM_GLOBAL_BLOCKS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """OUT[b, block tokens, h] = sum of the block's segment partials, in segment order."""
+    list_id = tl.program_id(0)
+    pid_bh = list_id // NUM_GLOBAL_BLOCKS
+    gblock = list_id % NUM_GLOBAL_BLOCKS
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    s = tl.load(block_token_start + gblock) + tl.arange(0, BLOCK_S)
+    s_ok = s < tl.load(block_token_end + gblock)
+    d = tl.arange(0, BLOCK_D)
+    first = tl.load(list_seg_first + list_id)
+    count = tl.load(list_seg_count + list_id)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for seg in range(first, first + count):
+        rows = tl.arange(0, BLOCK_S).to(tl.int64) + seg * BLOCK_S
+        acc += tl.load(PART + rows[:, None] * BLOCK_D + d[None, :])
+    tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
+             acc, mask=s_ok[:, None] & (d[None, :] < D))
+
+
+# Launch wrappers -------------------------------------------------------------------------
+
+
+def _selected_meta(q, k, v, params):
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
+                NUM_SELECTED=params.num_selected, SEL_BLOCK=params.sel_block,
+                BLOCK_S=pow2(params.sel_block), IEEE=q.dtype == torch.float32)
+
+
+def _selected_launch(kind: str, q, k, v, params) -> dict:
+    """Meta-parameters and launch options of the selected forward or dq (one program per
+    position and KV head; no pipelining stages for head dims above 128: shared memory)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    tuning = TUNING[f"selected_{kind}"]
+    stages = 1 if pow2(max(Dk, Dv)) > 128 else tuning["num_stages"]
+    return dict(_selected_meta(q, k, v, params), BLOCK_G=pow2(G),
+                num_warps=tuning["num_warps"], num_stages=stages)
+
+
+def selected_forward(q, k, v, idx, tables, params, scale):
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    _selected_fwd_kernel[(T, B * H)](
+        q, k, v, idx, o, lse, tables.tok_pos,
+        *strides(q), *strides(k), *strides(v), *strides(idx), *strides(o),
+        *lse.stride()[:2], H, scale * LOG2E, **_selected_launch("fwd", q, k, v, params),
+    )
+    return o, lse
+
+
+def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
+    """Layout-only parts of the inverse index, built once per tables: the number of global
+    blocks (a host-known bound), each sequence's first global block, the token range of every
+    global block (blocks past the last one are empty), list ids of (b, h) and list boundaries."""
+    key = ("blocks", B, H)
+    if key not in tables.memo:
+        layout = tables.layout
+        device = layout.starts.device
+        T = layout.seq.numel()
+        blocks_per_seq = (layout.ends - layout.starts + params.sel_block - 1) // params.sel_block
+        block_first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+        num_global = triton.cdiv(T, params.sel_block) + layout.starts.numel()
+        block_seq, index, used = expand_counts(blocks_per_seq, num_global)
+        block_start = layout.starts[block_seq] + index * params.sel_block
+        block_end = torch.where(used, torch.minimum(block_start + params.sel_block,
+                                                    layout.ends[block_seq]), block_start)
+        bh = (torch.arange(B, device=device).view(B, 1, 1, 1) * H
+              + torch.arange(H, device=device).view(1, 1, H, 1))  # [B, 1, H, 1]
+        seq_first_block = block_first[layout.seq].view(1, T, 1, 1)
+        tables.memo[key] = (num_global, seq_first_block, i32(block_start), i32(block_end),
+                            bh * num_global, torch.arange(B * H * num_global + 1, device=device))
+    return tables.memo[key]
+
+
+def _inverse_index(idx, tables, params):
+    """For each (b, h, global block): the positions that selected it, as CSR (offsets, pos)."""
+    B, T, H, n = idx.shape
+    num_global, seq_first_block, block_start, block_end, list_base, boundaries = (
+        _selection_blocks(tables, params, B, H))
+    list_id = torch.where(idx >= 0, list_base + seq_first_block + idx, B * H * num_global)
+    order = torch.sort(list_id.flatten(), stable=True)
+    entry_pos = i32(order.indices // (H * n) % T)  # flat index (b, t, h, slot) -> t
+    offsets = i32(torch.searchsorted(order.values, boundaries))
+    return num_global, block_start, block_end, offsets, entry_pos
+
+
+def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    meta = _selected_meta(q, k, v, params)
+    strides_qkv = (*strides(q), *strides(k), *strides(v))
+    _selected_bwd_dq_kernel[(T, B * H)](
+        q, k, v, idx, do, lse, delta, dq, tables.tok_pos,
+        *strides_qkv, *strides(idx), *strides(do), *lse.stride()[:2],
+        H, scale * LOG2E, scale, **_selected_launch("dq", q, k, v, params),
+    )
+    num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
+    # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.
+    counts = (offsets[1:] - offsets[:-1]).long()  # [num_lists]
+    seg_count = (counts + SELECTED_SEGMENT - 1) // SELECTED_SEGMENT
+    seg_first = torch.cumsum(seg_count, 0) - seg_count
+    num_segments = idx.numel() // SELECTED_SEGMENT + counts.numel()  # bound known on the host
+    seg_list, index, _ = expand_counts(seg_count, num_segments)
+    seg_lo = offsets[seg_list].long() + index * SELECTED_SEGMENT
+    seg_hi = torch.minimum(seg_lo + SELECTED_SEGMENT, offsets[seg_list + 1].long())
+    bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
+    dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
+    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv))
+    _selected_bwd_dkdv_kernel[(num_segments,)](
+        q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
+        i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
+        *strides_qkv, *strides(do), *lse.stride()[:2],
+        H, num_global, scale * LOG2E, scale,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
+        IEEE=meta["IEEE"], **launch,
+    )
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for part, out, D, bd in ((dk_part, dk, Dk, bdk), (dv_part, dv, Dv, bdv)):
+        _sum_segments_kernel[(counts.numel(),)](
+            part, out, block_start, block_end, i32(seg_first), i32(seg_count),
+            *strides(out), H, num_global, D=D, BLOCK_D=bd, BLOCK_S=bs,
+        )
+    return dk, dv
