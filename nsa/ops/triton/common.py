@@ -41,6 +41,12 @@ def exp_scale(scale_log2):
 
 
 @triton.jit
+def masked_scores(q, k, valid, scale_log2, IEEE: tl.constexpr):
+    """Scores [rows, keys] of q against k in the units above; -inf where not ``valid``."""
+    return tl.where(valid, dot(q, tl.trans(k), IEEE) * score_scale(scale_log2), float("-inf"))
+
+
+@triton.jit
 def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
     """Fold a tile of scores (-inf where masked) and its values into (m, l, acc)."""
     c = exp_scale(scale_log2)
@@ -60,6 +66,15 @@ def softmax_finish(m, l, acc, scale_log2):
     safe_l = tl.where(has_keys, l, 1.0)
     lse = m + tl.log2(safe_l) / exp_scale(scale_log2)
     return acc / safe_l[:, None], tl.where(has_keys, lse, float("inf"))
+
+
+@triton.jit
+def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr,
+               BLOCK_DV: tl.constexpr):
+    """Finish the online softmax; store each row's output (at ``o_rows``) and log-sum-exp."""
+    out, lse = softmax_finish(m, l, acc, scale_log2)
+    store_tile(o_rows, out, row_ok, DV, BLOCK_DV)
+    tl.store(lse_rows, lse, mask=row_ok)
 
 
 @triton.jit

@@ -22,10 +22,10 @@ from nsa.ops.triton.common import (
     add_tile,
     dot,
     load_tile,
+    masked_scores,
     probs_and_dscores,
-    score_scale,
-    softmax_finish,
     softmax_step,
+    store_rows,
     store_tile,
 )
 from nsa.ops.triton.launch import launch_shape, num_sms, pow2, shapes, strides
@@ -96,13 +96,12 @@ def _branch_fwd_kernel(
         k_ok = s < hi
         k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
         v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
         valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
+        scores = masked_scores(q, k, valid, scale_log2, IEEE)
         m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
-    out, lse = softmax_finish(m, l, acc, scale_log2)
-    store_tile(O + b * stride_ob + t64 * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
-    tl.store(LSE + b * stride_lb + t64 * stride_lt + hq, lse, mask=row_ok)
+    store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
+               LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
+               BLOCK_DV)
 
 
 @triton.jit

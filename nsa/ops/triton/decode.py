@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import dot, load_tile, score_scale, softmax_step, store_tile
+from nsa.ops.triton.common import load_tile, masked_scores, softmax_step, store_tile
 
 
 @triton.jit
@@ -65,8 +65,7 @@ def _decode_cmp_kernel(
         s64 = s.to(tl.int64)
         k = load_tile(KC + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
         v = load_tile(VC + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
-        scores = tl.where(k_ok[None, :], scores, float("-inf"))
+        scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
         tl.store(SCORES + b * stride_sb + hq[:, None] * stride_sh + s64[None, :], scores,
                  mask=row_ok[:, None] & k_ok[None, :])
         m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
@@ -112,8 +111,7 @@ def _decode_sparse_kernel(
                       BLOCK_DK)
         v = load_tile(VW + b * stride_wvb + row * stride_wvt + h * stride_wvh, k_ok, DV,
                       BLOCK_DV)
-    scores = tl.where(k_ok[None, :], dot(q, tl.trans(k), IEEE) * score_scale(scale_log2),
-                      float("-inf"))
+    scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)

@@ -23,11 +23,10 @@ from nsa.ops.triton.common import (
     add_tile,
     dot,
     load_tile,
+    masked_scores,
     probs_and_dscores,
-    score_scale,
-    softmax_finish,
     softmax_step,
-    store_tile,
+    store_rows,
 )
 from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides
 from nsa.ops.triton.tables import KernelTables, i32
@@ -93,12 +92,11 @@ def _selected_fwd_kernel(
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                      BLOCK_DV, SEL_BLOCK, BLOCK_S)
-        scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
-        scores = tl.where(k_ok[None, :], scores, float("-inf"))
+        scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
         m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
-    out, lse = softmax_finish(m, l, acc, scale_log2)
-    store_tile(O + b * stride_ob + t * stride_ot + hq * stride_oh, out, row_ok, DV, BLOCK_DV)
-    tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
+    store_rows(O + b * stride_ob + t * stride_ot + hq * stride_oh,
+               LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
+               BLOCK_DV)
 
 
 @triton.jit
