@@ -62,9 +62,8 @@ class AttentionConfig:
         if self.compressor_hidden is not None:
             check_positive_int("compressor_hidden", self.compressor_hidden)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
         if self.head_dim_k % 2:
             raise ValueError(f"head_dim_k must be even for RoPE, got {self.head_dim_k}")
         if self.kv_sharing not in KV_SHARING:
@@ -72,10 +71,11 @@ class AttentionConfig:
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.force_branch is not None and self.force_branch not in BRANCHES:
-            raise ValueError(f"force_branch must be None or one of {BRANCHES}, got {self.force_branch!r}")
+            raise ValueError(f"force_branch must be None or one of {BRANCHES}, got "
+                             f"{self.force_branch!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        self.nsa_params  # validates the block parameters
+        _ = self.nsa_params  # building NSAParams validates the block parameters
 
     @property
     def nsa_params(self) -> NSAParams:
@@ -105,13 +105,15 @@ class NSAttention(nn.Module):
                                      c.compressor_hidden)
         self.gate_proj = nn.Linear(c.dim, c.num_heads * 3)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base), persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
+                             persistent=False)
 
     def _kv(self, x: torch.Tensor):
         """-> (k_cmp_src, v_cmp_src, k_slc, v_slc, k_win, v_win), each [B, T, H, D]."""
         c = self.config
         B, T, _ = x.shape
-        kv = self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
+        kv = self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads,
+                                  c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)  # [B, T, sets, H, D]
         sets = [(k[:, :, i], v[:, :, i]) for i in range(self.num_kv_sets)]
         if self.num_kv_sets == 1:
@@ -250,7 +252,8 @@ class DenseAttention(nn.Module):
         self.q_proj = nn.Linear(c.dim, c.num_heads * c.head_dim_k, bias=False)
         self.kv_proj = nn.Linear(c.dim, c.num_kv_heads * (c.head_dim_k + c.head_dim_v), bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base), persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
+                             persistent=False)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config

@@ -48,7 +48,7 @@ class ModelConfig:
             check_positive_int("mlp_hidden", self.mlp_hidden)
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        self.attention_config  # validates the attention fields
+        _ = self.attention_config  # building AttentionConfig validates the attention fields
 
     @property
     def attention_config(self) -> AttentionConfig:
