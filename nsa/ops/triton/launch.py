@@ -15,8 +15,9 @@ TUNING = {
     "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
     "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
     "select": dict(rows=64, num_warps=4, num_stages=1),  # rows: positions (heads looped)
-    "selected_fwd": dict(rows=16, num_warps=4, num_stages=2),  # rows: the G heads of a position
-    "selected_dq": dict(rows=16, num_warps=4, num_stages=2),
+    # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned.
+    "selected_fwd": dict(num_warps=4, num_stages=2),
+    "selected_dq": dict(num_warps=4, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
 }
 
