@@ -16,8 +16,8 @@ TUNING = {
     "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
     "select": dict(rows=64, num_warps=4, num_stages=1),  # rows: positions (heads looped)
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned.
-    "selected_fwd": dict(num_warps=4, num_stages=2),
-    "selected_dq": dict(num_warps=4, num_stages=2),
+    "selected_fwd": dict(num_warps=1, num_stages=2),
+    "selected_dq": dict(num_warps=2, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
 }
 

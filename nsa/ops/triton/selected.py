@@ -2,8 +2,10 @@
 
 * ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: one program per (position, KV head),
   the G query heads as rows, iterating only that position's own blocks (its first
-  min(n, candidates) slots: the rest are padding). Keys past the position load as zeros and
-  are never multiplied in.
+  min(n, candidates) slots: the rest are padding). The slots are ascending, so all but the
+  last hold whole blocks before the position's own: those load unmasked, each as one
+  tensor-descriptor (TMA) load where the layout allows; in the last, keys past the position
+  load as zeros and are never multiplied in.
 * ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SELECTED_SEGMENT``
   entries of a key block's list of the positions that selected it (an inverse index built by a
   sort); long lists (the forced first block is chosen by every position) are split so no
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa.ops.layout import expand_counts
 from nsa.ops.params import LOG2E, NSAParams
@@ -54,32 +57,44 @@ def _position_rows(Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G: tl.constex
 
 
 @triton.jit
-def _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb, stride_kt, stride_kh,
-                    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+def _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, slot, stride_kb, stride_kt,
+                    stride_kh, stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                    TMA: tl.constexpr, WHOLE: tl.constexpr):
     """Keys, values [BLOCK_S, D] of the block in ``slot`` of position t, and the mask of its
-    tokens s <= t (masked rows load as 0, so nothing beyond t is ever read)."""
+    tokens. ``WHOLE``: a block before the last slot's, so every token is <= t; with ``TMA``
+    it is one tensor-descriptor load (KD, VD: [B, T, H, D] descriptors; BLOCK_S ==
+    SEL_BLOCK). Otherwise (the last slot, which may hold t) tokens past t load as 0, so nothing
+    beyond t is multiplied in."""
     block = tl.load(IDX + b * stride_ib + t * stride_it + h * stride_ih + slot)
     offs = tl.arange(0, BLOCK_S)
-    s = seq_start + block * SEL_BLOCK + offs
-    k_ok = (offs < SEL_BLOCK) & (s <= t)
-    s64 = s.to(tl.int64)
-    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    start = seq_start + block * SEL_BLOCK
+    s = start + offs
+    k_ok = offs < SEL_BLOCK
+    if not WHOLE:
+        k_ok = k_ok & (s <= t)
+    if WHOLE and TMA:
+        where = [b.to(tl.int32), start.to(tl.int32), h, 0]
+        k = KD.load(where).reshape(BLOCK_S, BLOCK_DK)
+        v = VD.load(where).reshape(BLOCK_S, BLOCK_DV)
+    else:
+        s64 = s.to(tl.int64)
+        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
     return k, v, k_ok
 
 
 @triton.jit
 def _selected_fwd_kernel(
-    Q, K, V, IDX, O, LSE, TOK_POS,
+    Q, K, V, KD, VD, IDX, O, LSE, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
-    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
@@ -87,13 +102,20 @@ def _selected_fwd_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for slot in range(0, num_blocks):
-        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+    # Slots are ascending: all but the last hold whole blocks before t's own block.
+    for slot in range(0, num_blocks - 1):
+        k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, slot, stride_kb,
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
-                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, True)
         scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
         m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, num_blocks - 1,
+                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                 stride_vh, stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                 BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
+    scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
+    m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
     store_rows(O + b * stride_ob + t * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                BLOCK_DV)
@@ -101,14 +123,14 @@ def _selected_fwd_kernel(
 
 @triton.jit
 def _selected_bwd_dq_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ, TOK_POS,
+    Q, K, V, KD, VD, IDX, DO, LSE, DELTA, DQ, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
-    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
@@ -117,14 +139,22 @@ def _selected_bwd_dq_kernel(
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
-    for slot in range(0, num_blocks):
-        k, v, k_ok = _selected_block(K, V, IDX, b, h, t, seq_start, slot, stride_kb,
+    # Slots are ascending: all but the last hold whole blocks before t's own block.
+    for slot in range(0, num_blocks - 1):
+        k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, slot, stride_kb,
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
-                                     BLOCK_DV, SEL_BLOCK, BLOCK_S)
-        valid = row_ok[:, None] & k_ok[None, :]
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
+                                     BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, True)
+        p, ds = probs_and_dscores(q, k, v, do, lse, delta, row_ok[:, None] & k_ok[None, :],
+                                  scale_log2, IEEE)
         acc += dot(ds.to(k.dtype), k, IEEE)
+    k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, num_blocks - 1,
+                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                 stride_vh, stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
+                                 BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
+    p, ds = probs_and_dscores(q, k, v, do, lse, delta, row_ok[:, None] & k_ok[None, :],
+                              scale_log2, IEEE)
+    acc += dot(ds.to(k.dtype), k, IEEE)
     add_tile(DQ + b * stride_qb + t * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
              BLOCK_DK)
 
@@ -215,6 +245,26 @@ def _selected_meta(q, k, v, params):
                 BLOCK_S=pow2(params.sel_block), IEEE=q.dtype == torch.float32)
 
 
+def _tma_ready(x: torch.Tensor) -> bool:
+    """Whether a tensor-descriptor (TMA) load can read x: 16-byte aligned base and strides."""
+    size = x.element_size()
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in x.stride()[:-1]))
+
+
+def _block_descriptors(k, v, params):
+    """(KD, VD, TMA): [B, T, H, D] descriptors of one selection block when every block can be
+    one TMA load (l' a power of two >= 16, aligned layouts), else (k, v, False)."""
+    sel_block = params.sel_block
+    dims = (sel_block, pow2(k.shape[3]), pow2(v.shape[3]))
+    if not (sel_block == pow2(sel_block) and max(dims) <= 256  # a TMA box is <= 256 per dim
+            and _tma_ready(k) and _tma_ready(v)):
+        return k, v, False
+    kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, sel_block, 1, dims[1]])
+    vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, sel_block, 1, dims[2]])
+    return kd, vd, True
+
+
 def _selected_launch(kind: str, q, k, v, params) -> dict:
     """Meta-parameters and launch options of the selected forward or dq (one program per
     position and KV head; no pipelining stages for head dims above 128: shared memory)."""
@@ -227,12 +277,14 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
 
 def selected_forward(q, k, v, idx, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    kd, vd, tma = _block_descriptors(k, v, params)
     _selected_fwd_kernel[(T, B * H)](
-        q, k, v, idx, o, lse, tables.tok_pos,
+        q, k, v, kd, vd, idx, o, lse, tables.tok_pos,
         *strides(q), *strides(k), *strides(v), *strides(idx), *strides(o),
-        *lse.stride()[:2], H, scale * LOG2E, **_selected_launch("fwd", q, k, v, params),
+        *lse.stride()[:2], H, scale * LOG2E, TMA=tma,
+        **_selected_launch("fwd", q, k, v, params),
     )
     return o, lse
 
@@ -277,10 +329,11 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _selected_meta(q, k, v, params)
     strides_qkv = (*strides(q), *strides(k), *strides(v))
+    kd, vd, tma = _block_descriptors(k, v, params)
     _selected_bwd_dq_kernel[(T, B * H)](
-        q, k, v, idx, do, lse, delta, dq, tables.tok_pos,
+        q, k, v, kd, vd, idx, do, lse, delta, dq, tables.tok_pos,
         *strides_qkv, *strides(idx), *strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, **_selected_launch("dq", q, k, v, params),
+        H, scale * LOG2E, scale, TMA=tma, **_selected_launch("dq", q, k, v, params),
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.

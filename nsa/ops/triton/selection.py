@@ -6,9 +6,11 @@ the group in turn, recomputes the compressed probabilities from the compressed l
 adds them up (the group score is a sum over heads). The group probabilities are mapped onto
 ``BJ`` selection blocks by a product with the fixed overlap weights (tf32x3: float32 accuracy
 on the tensor cores); the share of the step's last tokens that falls into the next step's
-blocks is carried. A running top-n per position is kept as int64 keys
-``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to the lower index),
-merged with each step's keys. No score matrix is written: memory is linear in T.
+blocks is carried. A running top-n per position is kept, sorted descending, as ``BEST``
+int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to the lower
+index); each step takes its own best ``BEST`` keys (a bitonic top-k), and the elementwise
+maximum of those against the running keys reversed is a bitonic sequence holding the best of
+both, which one bitonic merge sorts. No score matrix is written: memory is linear in T.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def _select_kernel(
     stride_ib, stride_it, stride_ih,
     H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_P: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, BJ: tl.constexpr, TOK: tl.constexpr, TOK_PAD: tl.constexpr,
+    NUM_SELECTED: tl.constexpr, BEST: tl.constexpr, BJ: tl.constexpr, TOK: tl.constexpr,
+    TOK_PAD: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -67,20 +70,23 @@ def _select_kernel(
     q_rows = Q + b * stride_qb + t64 * stride_qt + h * G * stride_qh
     lse_rows = LSE + b * stride_lb + t64 * stride_lt + h * G
     carry = tl.zeros([BLOCK_P, BJ], tl.float32)
-    best = tl.full([BLOCK_P, BJ], -1, tl.int64)
+    best = tl.full([BLOCK_P, BEST], -1, tl.int64)  # descending
     num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
     for j0 in range(0, num_blocks, BJ):
         i_loc = j0 * (SEL_BLOCK // CMP_STRIDE) + a  # compressed index within the sequence
         k_ok = (a < TOK) & (i_loc < num_cmp)
         kc = load_tile(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64) * stride_kt
                        + h * stride_kh, k_ok, DK, BLOCK_DK)
-        visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
         p = tl.zeros([BLOCK_P, TOK_PAD], tl.float32)  # group probabilities, summed over heads
         for g in range(G):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
             scores = dot(q, tl.trans(kc), IEEE) * score_scale(scale_log2)
-            p += tl.where(visible, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
+            p += tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2))
+        # Invisible tokens (past a row's position or the sequence) may have summed to inf or
+        # NaN: masked once per step, after the sum over heads.
+        visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
+        p = tl.where(visible, p, 0.0)
         score = tl.dot(p, w_here, input_precision="tf32x3") + carry  # [P, BJ]
         carry = tl.dot(p, w_next, input_precision="tf32x3")
         block = j0 + c
@@ -90,8 +96,14 @@ def _select_kernel(
         bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
         key = (bits.to(tl.int64) << 32) | (block[None, :] ^ MAX_BLOCK).to(tl.int64)
         key = tl.where(candidate & row_ok[:, None], key, -1)
-        best = tl.topk(tl.reshape(tl.join(best, key), (BLOCK_P, 2 * BJ)), BJ)
-    slot = tl.arange(0, BJ)
+        # Merge: the step's best BEST keys (descending) against the running ones reversed;
+        # the elementwise maximum holds the best BEST of both as a bitonic sequence.
+        if BJ > BEST:
+            key = tl.topk(key, BEST)
+        else:
+            key = tl.sort(key, descending=True)
+        best = tl.bitonic_merge(tl.maximum(best, tl.flip(key, 1)), descending=True)
+    slot = tl.arange(0, BEST)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
     blocks = tl.where(chosen, (best & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
     blocks = tl.sort(blocks, dim=1)
@@ -113,14 +125,14 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     # Blocks per step: the top-n width, or up to 32 blocks of at most 128 compressed tokens
     # when that is more (wider steps overflow shared memory with the overlap weights).
     tokens_per_block = params.sel_block // params.cmp_stride
-    blocks_per_step = max(triton.next_power_of_2(params.num_selected),
-                          min(32, triton.next_power_of_2(max(1, 128 // tokens_per_block))))
+    best = max(2, triton.next_power_of_2(params.num_selected))  # running top-n width
+    blocks_per_step = max(best, min(32, triton.next_power_of_2(max(1, 128 // tokens_per_block))))
     tokens = blocks_per_step * tokens_per_block
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *strides(q), *strides(k_cmp), *lse_cmp.stride()[:2], *strides(idx),
         H, scale * LOG2E,
-        G=G, DK=Dk, BLOCK_DK=pow2(Dk), BLOCK_P=P, NUM_SELECTED=params.num_selected,
+        G=G, DK=Dk, BLOCK_DK=pow2(Dk), BLOCK_P=P, NUM_SELECTED=params.num_selected, BEST=best,
         BJ=blocks_per_step, TOK=tokens, TOK_PAD=pow2(tokens), CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
