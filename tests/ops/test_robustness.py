@@ -82,26 +82,12 @@ def assert_same(name, got, want):
 # ---------------------------------------------------------------------------------------------
 
 
-# The Triton kernels of the compressed and window branches still multiply masked pairs of a
-# tile in (0 · NaN): masking every tile cost 42 ms of a 182 ms forward+backward at 64k
-# (bench/NOTES.md, v5); masking only partial tiles comes with the kernel restructure
-# (issue 11). The selected branch (one position per program) and the selection hold.
-TRITON_NAN_GAP = pytest.mark.xfail(
-    strict=True, reason="Triton compressed/window kernels multiply masked NaN pairs in")
-
-
-def known_triton_gap(request, backend, name, names):
-    if backend == "triton" and name in names:
-        request.applymarker(TRITON_NAN_GAP)
-
-
 @pytest.mark.parametrize("name", INPUT_NAMES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_at_the_last_position_changes_no_earlier_output(request, backend, name):
+def test_nan_at_the_last_position_changes_no_earlier_output(backend, name):
     """A NaN in any input at the last position (for k_cmp, v_cmp the last compressed token,
     first visible there) changes no earlier output, nor the gradients of earlier queries and
     gates: causally masked keys and values are not multiplied in."""
-    known_triton_gap(request, backend, name, ("k_cmp", "v_cmp", "k_win", "v_win"))
     x, _ = inputs()
     out, grads = clean_run(backend, False)
     last = x[name].shape[1] - 1
@@ -114,10 +100,9 @@ def test_nan_at_the_last_position_changes_no_earlier_output(request, backend, na
 
 @pytest.mark.parametrize("name", ["q", "gates"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_in_the_first_query_reaches_only_what_it_sees(request, backend, name):
+def test_nan_in_the_first_query_reaches_only_what_it_sees(backend, name):
     """A NaN query or gate at t = 0 (which sees only the tokens at 0, and no compressed token)
     leaves every other output and every gradient but those at position 0 as they were."""
-    known_triton_gap(request, backend, name, ("q", "gates"))
     x, _ = inputs()
     out, grads = clean_run(backend, False)
     poisoned, poisoned_grads = forward_backward(
@@ -130,10 +115,9 @@ def test_nan_in_the_first_query_reaches_only_what_it_sees(request, backend, name
 
 @pytest.mark.parametrize("name", INPUT_NAMES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_in_one_packed_sequence_leaves_the_others_alone(request, backend, name):
+def test_nan_in_one_packed_sequence_leaves_the_others_alone(backend, name):
     """Every value of one input in the middle of three packed sequences NaN: the outputs of
     the other two, and the gradients of all their inputs, are as without it."""
-    known_triton_gap(request, backend, name, ("q", "gates", "k_cmp", "v_cmp", "k_win", "v_win"))
     x, cu = inputs(packed=True)
     out, grads = clean_run(backend, True)
     rows = MIDDLE if name in TOKEN_INPUTS else MIDDLE_CMP
@@ -144,6 +128,66 @@ def test_nan_in_one_packed_sequence_leaves_the_others_alone(request, backend, na
     for n in INPUT_NAMES:
         keep = OTHERS if n in TOKEN_INPUTS else OTHERS_CMP
         assert_same(f"d{n}", poisoned_grads[n][:, keep], grads[n][:, keep])
+
+
+# The compressed and window kernels alone, at a shape where full and partial tiles meet: 128-row
+# query tiles of P = 8 positions (G = 16 query heads over one KV head), key tiles of 64, w = 136
+# and l = 4, d = 2 (query tiles from t = 136 on hold full key tiles of both branches). The NaN
+# is first seen inside a query tile: at t = 123 (compressed token 60, in the key tile [0, 64)
+# that is full for t >= 136) and t = 149 (window, full for some query tiles from t = 160).
+BRANCH_T, BRANCH_G = 200, 16
+FIRST_SEEN = {"compressed": 123, "window": 149}
+BRANCH_P = NSAParams(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=136)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("mode", ["compressed", "window"])
+def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode, name):
+    """A NaN key or value first seen by a query in the middle of a query tile: the queries
+    before it (earlier ones of the same tile included) keep their outputs, log-sum-exps and dq
+    bit for bit; every query that sees it gets a non-finite output and dq (through full tiles
+    too); window keys that no such query sees keep their dk and dv."""
+    from nsa.ops.triton.compressed_window import (
+        MODE_CMP,
+        MODE_WIN,
+        branch_backward,
+        branch_forward,
+    )
+    from nsa.ops.triton.tables import build_tables
+
+    T, G, p, D = BRANCH_T, BRANCH_G, BRANCH_P, 16
+    Tc = p.compressed_length(T)
+    g = torch.Generator().manual_seed(4)
+    q, do = (torch.randn(1, T, G, D, generator=g).to(DEVICE) for _ in range(2))
+    keys = Tc if mode == "compressed" else T
+    kv = {n: torch.randn(1, keys, 1, D, generator=g).to(DEVICE) for n in ("k", "v")}
+    first_seen = FIRST_SEEN[mode]
+    nan_at = (first_seen - p.cmp_block + 1) // p.cmp_stride if mode == "compressed" else first_seen
+    seen = slice(first_seen, T if mode == "compressed" else first_seen + p.window)
+    branch = MODE_CMP if mode == "compressed" else MODE_WIN
+    tables = build_tables(T, Tc, None, p, DEVICE)
+
+    def run(k, v):
+        o, lse = branch_forward(q, k, v, tables, branch, p, D ** -0.5)
+        dq = torch.zeros_like(q)
+        dk, dv = branch_backward(q, k, v, do, lse, (o * do).sum(-1), dq, tables, branch, p,
+                                 D ** -0.5)
+        return o, lse, dq, dk, dv
+
+    o, lse, dq, dk, dv = run(kv["k"], kv["v"])
+    kv = with_nan(kv, name, (0, nan_at, 0, -1))
+    o_nan, lse_nan, dq_nan, dk_nan, dv_nan = run(kv["k"], kv["v"])
+    before = slice(0, first_seen)
+    assert_same("output", o_nan[:, before], o[:, before])
+    assert_same("dq", dq_nan[:, before], dq[:, before])
+    torch.testing.assert_close(lse_nan[:, before], lse[:, before], rtol=0, atol=0, msg="lse")
+    for what, x in (("output", o_nan), ("dq", dq_nan)):
+        assert not torch.isfinite(x[:, seen]).all(-1).any(), f"{what}: a finite row sees the NaN"
+    if mode == "window":  # keys that no query seeing the NaN attends to
+        unseen = slice(0, first_seen - p.window + 1)
+        assert_same("dk", dk_nan[:, unseen], dk[:, unseen])
+        assert_same("dv", dv_nan[:, unseen], dv[:, unseen])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

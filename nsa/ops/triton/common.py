@@ -1,5 +1,5 @@
-"""Pieces shared by the NSA Triton kernels: the matrix product, one online-softmax step and the
-backward's recomputed probabilities.
+"""Pieces shared by the NSA Triton kernels: the matrix product, one online-softmax step, the
+backward's recomputed probabilities, and the split of a loop into full and partial tiles.
 
 Units of the scores. With s = scale · log2(e), a score is kept as q·k · min(s, 1) and
 exponentiated as exp2(max(s, 1) · (score - max)): for s <= 1 that is the usual s · q·k and
@@ -8,10 +8,21 @@ are <= 0, so no finite scale overflows (q·k · s would, past float32's range, w
 is still defined). Log-sum-exps are in the same units: max + log2(sum) / max(s, 1).
 
 Masks. A masked (query, key) pair still meets in the tile products, with a probability or a
-score gradient of 0, and 0 · NaN is NaN: a NaN in a key or value after a query's position can
-reach it in a tile both share. Taking every tile through a finiteness mask cost 42 ms of a
-182 ms forward+backward at 64k (bench/NOTES.md, v5), so the kernels do not: non-finite
-inputs are the PyTorch backend's contract for now (tests/ops/test_robustness.py).
+score gradient of 0, and 0 · NaN is NaN: a NaN key or value after a query's position (or in
+another packed sequence) would reach it through a tile both share. Only partial tiles hold a
+masked pair of an in-range row and key (the diagonal, the window's lower edge, sequence
+boundaries, the ragged end of a range; padding rows and keys load as 0, and what they meet is
+never stored or already NaN). Each loop is split (``split_tiles``): its partial tiles first,
+which multiply only the ``finite_part`` of what masked pairs meet and keep dS only where
+``valid``, then its full tiles with the plain products (every pair valid). A partial tile
+gives each valid pair what a full tile gives it, with NaN for any non-finite input: a row
+that sees a non-finite value gets a NaN output, a row with a non-finite output gradient a NaN
+log-sum-exp in dK/dV (so a NaN p on the pairs it sees). As in the PyTorch backend, a
+non-finite input reaches only the outputs and gradients of pairs that see it, and always the
+output and dq of a row that sees it; unlike there, the dV of the other keys such a row sees
+may stay finite (the PyTorch backend makes the whole softmax row NaN). Taking every tile
+through the masks cost 42 ms of a 182 ms forward+backward at 64k; partial tiles are about 7%
+of the tiles there (bench/NOTES.md, v5).
 """
 
 from __future__ import annotations
@@ -47,6 +58,36 @@ def masked_scores(q, k, valid, scale_log2, IEEE: tl.constexpr):
 
 
 @triton.jit
+def finite_part(x):
+    """(x with its non-finite entries 0, per row of x: 0, or NaN where the row held one)."""
+    finite = tl.abs(x) < float("inf")
+    poison = tl.sum(tl.where(finite, 0.0, float("nan")), axis=1)
+    return tl.where(finite, x, 0.0).to(x.dtype), poison
+
+
+@triton.jit
+def split_tiles(lo, hi, seen_lo, seen_hi, STEP: tl.constexpr):
+    """Split the tiles lo, lo + STEP, ... (those starting below hi) into full ones, inside
+    [seen_lo, seen_hi) (every pair valid), and partial ones -> (full_lo, full_hi, num_partial):
+    the full tiles start at full_lo, full_lo + STEP, ... below full_hi; ``partial_tile`` gives
+    the start of each of the num_partial others."""
+    hi = tl.maximum(hi, lo)
+    first = tl.minimum(tl.maximum(seen_lo, lo), hi)
+    end = tl.minimum(tl.maximum(seen_hi, lo), hi)
+    full_lo = lo + (first - lo + STEP - 1) // STEP * STEP
+    full_hi = tl.maximum(full_lo, lo + (end - lo) // STEP * STEP)
+    return full_lo, full_hi, (hi - lo + STEP - 1) // STEP - (full_hi - full_lo) // STEP
+
+
+@triton.jit
+def partial_tile(i, lo, full_lo, full_hi, STEP: tl.constexpr):
+    """Start of the i-th partial tile of ``split_tiles``: those below the full ones, then
+    those above."""
+    below = (full_lo - lo) // STEP
+    return tl.where(i < below, lo + i * STEP, full_hi + (i - below) * STEP)
+
+
+@triton.jit
 def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
     """Fold a tile of scores (-inf where masked) and its values into (m, l, acc)."""
     c = exp_scale(scale_log2)
@@ -57,6 +98,20 @@ def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
+
+
+@triton.jit
+def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """Fold a tile of keys and values into the online softmax (m, l, acc) of the rows q. A
+    PARTIAL tile multiplies the finite part of v, then adds NaN to the rows that see a
+    non-finite value (in a full tile p · v makes them non-finite; m and l stay as there)."""
+    scores = masked_scores(q, k, valid, scale_log2, IEEE)
+    if PARTIAL:
+        v, v_poison = finite_part(v)
+        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+        return m, l, acc + tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
+    return softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
 
 
 @triton.jit
@@ -78,12 +133,45 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 
 
 @triton.jit
-def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr):
-    """Backward of one tile: recomputed probabilities p and dS = p (dP - delta)."""
+def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
+                      PARTIAL: tl.constexpr = False):
+    """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
+    tile dS is 0 where not ``valid``, whatever v, do and delta hold there."""
     scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
     p = tl.where(valid, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
+    if PARTIAL:
+        ds = tl.where(valid, ds, 0.0)
     return p, ds
+
+
+@triton.jit
+def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
+            PARTIAL: tl.constexpr):
+    """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
+    (a non-finite key already makes the dS of the pairs that see it NaN)."""
+    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL)
+    if PARTIAL:
+        k, _ = finite_part(k)
+    return acc + dot(ds.to(k.dtype), k, IEEE)
+
+
+@triton.jit
+def dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE: tl.constexpr,
+              PARTIAL: tl.constexpr):
+    """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows. A
+    PARTIAL tile multiplies the finite parts of q and do; a row whose do is not finite poisons
+    its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it sees."""
+    q_mult = q
+    do_mult = do
+    if PARTIAL:
+        q_mult, _ = finite_part(q)
+        do_mult, do_poison = finite_part(do)
+        lse = lse + do_poison
+    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL)
+    acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)
+    acc_k += dot(tl.trans(ds).to(q.dtype), q_mult, IEEE)
+    return acc_k, acc_v
 
 
 @triton.jit

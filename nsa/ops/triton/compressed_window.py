@@ -9,6 +9,11 @@ matrix tile (no padding of G). Every row knows its own key range, which also han
 variable-length batches. Forward writes the branch output (in q's dtype) and its log-sum-exp
 (base 2); backward is deterministic: one kernel for dq (per query tile), one for dk/dv (per key
 tile, looping over the queries that can see it), no atomics.
+
+Each kernel's loop runs in two parts: first the partial tiles, which hold a masked pair (the
+diagonal, the window's lower edge, sequence boundaries, the ends) and multiply finite parts
+only (common.py, Masks), then the full tiles, where every row sees every key, with the plain
+products.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import triton.language as tl
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import (
     add_tile,
-    dot,
+    attend_tile,
+    dkdv_tile,
+    dq_tile,
     load_tile,
-    masked_scores,
-    probs_and_dscores,
-    softmax_step,
+    partial_tile,
+    split_tiles,
     store_rows,
     store_tile,
 )
@@ -58,9 +64,11 @@ def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
 
 @triton.jit
 def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.constexpr,
-                MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
-                CMP_STRIDE: tl.constexpr):
-    """This program's query rows (P positions x G heads of KV head h) and their key ranges."""
+                BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr,
+                CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """This program's query rows (P positions x G heads of KV head h), their key ranges, and
+    the key tiles lo, lo + BLOCK_N, ... (< hi) their ranges cover, split (``split_tiles``)
+    into full ones (inside every valid row's range) and partial ones."""
     P: tl.constexpr = BLOCK_R // G
     pid_bh = tl.program_id(1)
     h = pid_bh % H
@@ -69,8 +77,28 @@ def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.const
     row_ok = (r < P * G) & (t < T)
     lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                 CMP_STRIDE)
-    return ((pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, lo_r, hi_r,
-            tl.min(lo_r, axis=0), tl.max(hi_r, axis=0), t.to(tl.int64))
+    lo = tl.min(lo_r, axis=0)
+    hi = tl.max(hi_r, axis=0)
+    full_lo, full_hi, num_partial = split_tiles(
+        lo, hi, tl.max(tl.where(row_ok, lo_r, 0), axis=0),
+        tl.min(tl.where(row_ok, hi_r, 2147483647), axis=0), BLOCK_N)
+    return ((pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, lo_r, hi_r, t.to(tl.int64),
+            hi, lo, full_lo, full_hi, num_partial)
+
+
+@triton.jit
+def _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh,
+              stride_vb, stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys, values [BLOCK_N, D] from ``start`` (0 from hi on) and the mask of the (row, key)
+    pairs inside the rows' ranges."""
+    s = start + tl.arange(0, BLOCK_N)
+    s64 = s.to(tl.int64)
+    k_ok = s < hi
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
+    return k, v, valid
 
 
 @triton.jit
@@ -84,21 +112,22 @@ def _branch_fwd_kernel(
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    b, h, hq, row_ok, lo_r, hi_r, lo, hi, t64 = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        s64 = s.to(tl.int64)
-        k_ok = s < hi
-        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
-        scores = masked_scores(q, k, valid, scale_log2, IEEE)
-        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    for i in range(0, num_partial):
+        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
+                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
+        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
+    for start in range(full_lo, full_hi, BLOCK_N):
+        k, v, valid = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
+                                stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                BLOCK_DV, BLOCK_N)
+        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, False)
     store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                BLOCK_DV)
@@ -116,24 +145,50 @@ def _branch_bwd_dq_kernel(
     IEEE: tl.constexpr,
 ):
     """DQ (float32, layout of O with DK columns) += scale · Σ_s p (dp − delta) k_s."""
-    b, h, hq, row_ok, lo_r, hi_r, lo, hi, t64 = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
     lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        s64 = s.to(tl.int64)
-        k_ok = s < hi
-        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc += dot(ds.to(k.dtype), k, IEEE)
+    for i in range(0, num_partial):
+        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
+                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
+        acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
+    for start in range(full_lo, full_hi, BLOCK_N):
+        k, v, valid = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
+                                stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                BLOCK_DV, BLOCK_N)
+        acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, False)
     add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
              BLOCK_DK)
+
+
+@triton.jit
+def _query_tile(t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_start, b, h,
+                stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb,
+                stride_lt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+                MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                CMP_STRIDE: tl.constexpr):
+    """q, do, lse, delta of the P positions from t_start (below t_hi) x G heads, and the mask
+    of their pairs with the keys s."""
+    P: tl.constexpr = BLOCK_R // G
+    r = tl.arange(0, BLOCK_R)
+    t = t_start + r // G
+    hq = h * G + r % G
+    row_ok = (r < P * G) & (t < t_hi)
+    lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
+                                CMP_STRIDE)
+    t64 = t.to(tl.int64)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
+    return q, do, lse, delta, valid
 
 
 @triton.jit
@@ -161,33 +216,36 @@ def _branch_bwd_dkdv_kernel(
     k_ok = s < NK
     k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
     v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-    # Both bounds are non-decreasing in the key index: read them at the tile's first/last key.
-    last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, NK) - 1
-    t_lo = tl.maximum(tl.load(key_t_lo + pid_n * BLOCK_N), seg * SEGMENT)
+    # Key s is seen by the queries [key_t_lo[s], key_t_hi[s]), both bounds non-decreasing in s:
+    # some key of the tile by [key_t_lo[first], key_t_hi[last]), every key (full query tiles)
+    # by [key_t_lo[last], key_t_hi[first]).
+    first = pid_n * BLOCK_N
+    last = tl.minimum(first + BLOCK_N, NK) - 1
+    t_lo = tl.maximum(tl.load(key_t_lo + first), seg * SEGMENT)
     t_hi = tl.minimum(tl.load(key_t_hi + last), seg * SEGMENT + SEGMENT)
+    full_lo, full_hi, num_partial = split_tiles(t_lo, t_hi, tl.load(key_t_lo + last),
+                                                tl.load(key_t_hi + first), P)
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    r = tl.arange(0, BLOCK_R)
-    for t_start in range(t_lo, t_hi, P):
-        t = t_start + r // G
-        hq = h * G + r % G
-        row_ok = (r < P * G) & (t < t_hi)
-        lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
-                                    CMP_STRIDE)
-        t64 = t.to(tl.int64)
-        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-        lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
-        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
+    for i in range(0, num_partial):
+        q, do, lse, delta, valid = _query_tile(
+            partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, LSE, DELTA,
+            tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot,
+            stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
+            CMP_BLOCK, CMP_STRIDE)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
+                                 True)
+    for t_start in range(full_lo, full_hi, P):
+        q, do, lse, delta, valid = _query_tile(
+            t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb,
+            stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK,
+            DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
+                                 False)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
     store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)
-
 
 
 # Launch wrappers -------------------------------------------------------------------------

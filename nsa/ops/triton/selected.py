@@ -10,7 +10,9 @@
   entries of a key block's list of the positions that selected it (an inverse index built by a
   sort); long lists (the forced first block is chosen by every position) are split so no
   program runs alone for long. Each segment writes a partial dK/dV; ``_sum_segments_kernel``
-  adds a block's partials in a fixed order: deterministic, no atomics.
+  adds a block's partials in a fixed order: deterministic, no atomics. Entries of positions
+  inside the block (they see part of it) and a segment's last tile run first, multiplying
+  finite parts only (common.py, Masks); the others see the whole block: plain products.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from nsa.ops.layout import expand_counts
 from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
     add_tile,
+    dkdv_tile,
     dot,
     load_tile,
     masked_scores,
+    partial_tile,
     probs_and_dscores,
     softmax_step,
+    split_tiles,
     store_rows,
 )
 from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides
@@ -160,6 +165,28 @@ def _selected_bwd_dq_kernel(
 
 
 @triton.jit
+def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb,
+                stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
+    """q, do, lse, delta of the P entries (positions) from e_start (below e_hi) x G heads, and
+    the mask of their pairs with the block's tokens s (s <= t)."""
+    P: tl.constexpr = BLOCK_R // G
+    r = tl.arange(0, BLOCK_R)
+    e = e_start + r // G
+    row_ok = (r < P * G) & (e < e_hi)
+    t = tl.load(entry_pos + e, mask=row_ok, other=0)
+    hq = h * G + r % G
+    t64 = t.to(tl.int64)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+    return q, do, lse, delta, valid
+
+
+@triton.jit
 def _selected_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
     seg_list, seg_lo, seg_hi, entry_pos,
@@ -188,23 +215,30 @@ def _selected_bwd_dkdv_kernel(
     dv = tl.arange(0, BLOCK_DV)
     k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
     v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    # A list's positions ascend (a stable sort of (b, t, h, slot)); those before the block's
+    # last token (t < s_hi - 1: inside the block, fewer than BLOCK_S) see only part of it and
+    # come first. Entries from e_full on see the whole block.
+    e = e_lo + tl.arange(0, BLOCK_S)
+    in_seg = e < e_hi
+    before = tl.load(entry_pos + e, mask=in_seg, other=0) < s_hi - 1
+    e_full = e_lo + tl.sum((in_seg & before).to(tl.int32), axis=0)
+    full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
-    r = tl.arange(0, BLOCK_R)
-    for e0 in range(e_lo, e_hi, P):
-        e = e0 + r // G
-        row_ok = (r < P * G) & (e < e_hi)
-        t = tl.load(entry_pos + e, mask=row_ok, other=0)
-        hq = h * G + r % G
-        t64 = t.to(tl.int64)
-        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-        lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-        valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-        p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE)
-        acc_v += dot(tl.trans(p).to(do.dtype), do, IEEE)
-        acc_k += dot(tl.trans(ds).to(q.dtype), q, IEEE)
+    for i in range(0, num_partial):
+        q, do, lse, delta, valid = _entry_tile(
+            partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, Q, DO, LSE, DELTA,
+            entry_pos, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
+                                 True)
+    for e_start in range(full_lo, full_hi, P):
+        q, do, lse, delta, valid = _entry_tile(
+            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb, stride_qt,
+            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
+            BLOCK_DK, BLOCK_DV, BLOCK_R)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
+                                 False)
     rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
     tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
