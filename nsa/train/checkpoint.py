@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from nsa.config_tree import differences
 from nsa.train.config import RunConfig
 from nsa.train.distributed import DistContext, all_gather_objects, barrier
 from nsa.train.errors import SetupError
@@ -354,7 +355,5 @@ def load_model(path: Path):
 
 
 def config_diff(old, new) -> str:
-    """'name: old -> new' for every field where two configs of one class differ."""
-    changed = [f"{k}: {v!r} -> {new.__dict__[k]!r}" for k, v in old.__dict__.items()
-               if new.__dict__[k] != v]
-    return ", ".join(changed)
+    """'path: old -> new' for every field where two configs of one class differ."""
+    return ", ".join(differences(old, new))
