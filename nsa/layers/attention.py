@@ -11,7 +11,7 @@ from torch import nn
 
 from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
 from nsa.layers.compressor import COMPRESSORS, Compressor
-from nsa.layers.rope import apply_rope, rope_frequencies
+from nsa.layers.rope import RotaryFrequencies, apply_rope
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
@@ -100,8 +100,7 @@ class NSAttention(nn.Module):
                                      c.compressor_hidden)
         self.gate_proj = nn.Linear(c.dim, c.num_heads * 3)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
-                             persistent=False)
+        self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
     def _kv(self, x: torch.Tensor):
         """-> (k_cmp_src, v_cmp_src, k_slc, v_slc, k_win, v_win), each [B, T, H, D]."""
@@ -131,10 +130,10 @@ class NSAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.inv_freq)
+                       self.rope.inv_freq)
         k_src, v_src, k_slc, v_slc, k_win, v_win = self._kv(x)
-        k_slc = apply_rope(k_slc, positions, self.inv_freq)
-        k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.inv_freq)
+        k_slc = apply_rope(k_slc, positions, self.rope.inv_freq)
+        k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.rope.inv_freq)
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, first: torch.Tensor):
@@ -145,7 +144,7 @@ class NSAttention(nn.Module):
         v_cmp = self.compress_v(v_src)  # [B, Tc, H, Dv]
         index = first + torch.arange(k_cmp.shape[1], device=k_src.device)
         centres = index * p.cmp_stride + (p.cmp_block - 1) / 2
-        return apply_rope(k_cmp, centres, self.inv_freq), v_cmp
+        return apply_rope(k_cmp, centres, self.rope.inv_freq), v_cmp
 
     def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win) -> torch.Tensor:
         c, p = self.config, self.config.nsa
@@ -247,17 +246,16 @@ class DenseAttention(nn.Module):
         self.q_proj = nn.Linear(c.dim, c.num_heads * c.head_dim_k, bias=False)
         self.kv_proj = nn.Linear(c.dim, c.num_kv_heads * (c.head_dim_k + c.head_dim_v), bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
-                             persistent=False)
+        self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.inv_freq)
+                       self.rope.inv_freq)
         kv = self.kv_proj(x).view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
-        return q, apply_rope(k, positions, self.inv_freq), v
+        return q, apply_rope(k, positions, self.rope.inv_freq), v
 
     def _attend(self, q, k, v, **mask) -> torch.Tensor:
         """SDPA over [B, T, heads, D] tensors -> [B, T, HQ * Dv]."""
