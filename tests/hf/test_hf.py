@@ -91,6 +91,19 @@ def test_logits_and_loss_equal_the_language_model(kind):
     assert model.dtype == torch.float32 and model.config.model_config.attention.kind == kind
 
 
+def test_the_hf_config_is_the_model_config_tree():
+    tree = small_config("dense")
+    config = NSAConfig.from_model_config(tree, eos_token_id=0)
+    assert config.model_config == tree and config.to_dict()["attention"]["nsa"]["window"] == 12
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.max_position_embeddings) == (32, 2, 4, 2, 64)
+    by_name = NSAConfig(num_hidden_layers=3, kind="nsa", window=24, tie_word_embeddings=False)
+    assert by_name.model_config == replace_fields(NSAConfig().model_config, num_layers=3,
+                                                  window=24, tie_embeddings=False)
+    with pytest.raises(ValueError, match="num_selected"):
+        NSAConfig(num_selected=1)  # < num_init + num_local, refused when the config is built
+
+
 @pytest.mark.parametrize("kind", ["nsa", "dense"])
 def test_save_pretrained_round_trips(kind, tmp_path):
     model = hf_model(kind)
