@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(TORCH_PIN) -e . tqdm
 	touch $@
 
+# dev: the test tools; eval: lm-evaluation-harness, which tests/hf drives as a real client.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q $(TORCH_PIN) -e ".[dev]" tqdm
+	$(PY) -m pip install -q $(TORCH_PIN) -e ".[dev,eval]" tqdm
 	touch $@
 
 install: $(VENV)/.installed

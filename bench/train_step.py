@@ -14,17 +14,17 @@ import argparse
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 
 import torch
 
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig, model_preset
 
 # The shape on which the earlier system hung in backward at >= 5 layers.
-HANG_SHAPE = ModelConfig(
-    vocab_size=256, dim=128, num_layers=1, num_heads=8, num_kv_heads=2, head_dim_k=16,
-    head_dim_v=16, max_seq_len=128, cmp_block=16, cmp_stride=8, sel_block=32, num_selected=8,
-    window=64,
+HANG_SHAPE = replace_fields(
+    ModelConfig(), vocab_size=256, dim=128, num_layers=1, num_heads=8, num_kv_heads=2,
+    head_dim_k=16, head_dim_v=16, max_seq_len=128, cmp_block=16, cmp_stride=8, sel_block=32,
+    num_selected=8, window=64,
 )
 
 
@@ -90,18 +90,19 @@ def main(argv=None) -> None:
 
     device = torch.device(args.device)
     base = model_preset(args.preset) if args.preset else HANG_SHAPE
-    base = replace(base, backend=args.backend, max_seq_len=args.seq or base.max_seq_len)
+    base = replace_fields(base, backend=args.backend, max_seq_len=args.seq or base.max_seq_len)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
     memory_kind = "peak MB" if device.type == "cuda" else "saved MB"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    heads = f"{base.attention.num_heads}/{base.attention.num_kv_heads}"
     print(f"# {name}, batch {args.batch}, seq {base.max_seq_len}, dim {base.dim}, "
-          f"heads {base.num_heads}/{base.num_kv_heads}, autocast {autocast_dtype}, "
+          f"heads {heads}, autocast {autocast_dtype}, "
           f"backend {args.backend}, median of {args.steps} steps")
     print(f"| attention | layers | params (M) | step (ms) | tokens/s | {memory_kind} |")
     print("|---|---|---|---|---|---|")
     for attention in args.attention.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
-            config = replace(base, attention=attention, num_layers=layers)
+            config = replace_fields(base, kind=attention, num_layers=layers)
             r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype)
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
                   f"{r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |", flush=True)

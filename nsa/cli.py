@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample_cmd = commands.add_parser("sample", help="print a sample from a trained checkpoint",
                                      allow_abbrev=False)
     sample_cmd.add_argument("--run-dir", type=Path, required=True,
-                            help="a run directory, or a model file written by 'nsa export'")
+                            help="a run directory, or a model file or directory written by "
+                                 "'nsa export'")
     sample_cmd.add_argument("--prompt", default=None, help="default: the run's sample_prompt")
     sample_cmd.add_argument("--tokens", type=int, default=None, help="bytes to generate")
     sample_cmd.add_argument("--temperature", type=float, default=None)
@@ -54,17 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     sample_cmd.set_defaults(run=run_sample)
 
     export_cmd = commands.add_parser(
-        "export", help="write a run's newest checkpoint as one model file (no optimizer)",
-        allow_abbrev=False)
+        "export", help="write a run's newest checkpoint as one model file (no optimizer), or "
+                       "as a Hugging Face directory", allow_abbrev=False)
     export_cmd.add_argument("--run-dir", type=Path, required=True)
-    export_cmd.add_argument("--out", type=Path, required=True)
+    target = export_cmd.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", type=Path, help="the model file to write")
+    target.add_argument("--hf", type=Path, metavar="DIR",
+                        help="a new directory for transformers' from_pretrained: config.json, "
+                             "model.safetensors and the tokenizer (needs nsa[hf])")
     export_cmd.set_defaults(run=run_export)
 
     gen = commands.add_parser(
         "generate", help="stream text from a trained model (KV cache, CUDA graphs on a GPU)",
         allow_abbrev=False)
     gen.add_argument("--model", type=Path, required=True,
-                     help="a run directory or a file written by 'nsa export'")
+                     help="a run directory, or a file or directory written by 'nsa export'")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="default: the run's sample_prompt")
     prompt.add_argument("--prompt-file", type=Path, default=None)
@@ -110,9 +115,17 @@ def run_sample(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 def run_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
+        if args.hf is not None:
+            try:
+                from nsa.hf.export import export_hf
+            except ImportError as error:
+                raise ModelFileError(f"--hf needs the hf extra: pip install 'nsa[hf]' "
+                                     f"({error})") from None
         checkpoint = latest_checkpoint(args.run_dir)
-        print(f"wrote {export_model(checkpoint, args.out)} from {checkpoint}")
-    except (RunDirError, ModelFileError) as error:
+        written = (export_model(checkpoint, args.out) if args.hf is None
+                   else export_hf(checkpoint, args.hf))
+        print(f"wrote {written} from {checkpoint}")
+    except (RunDirError, ModelFileError, TokenizerUnavailableError) as error:
         parser.error(str(error))
 
 

@@ -1,6 +1,6 @@
 """Modules: attention layers, compressors, RoPE."""
 
-from nsa.layers.attention import AttentionConfig, DenseAttention, NSAttention
+from nsa.layers.attention import AttentionConfig, DenseAttention, NSAttention, attention_layer
 from nsa.layers.compressor import Compressor
 
-__all__ = ["AttentionConfig", "Compressor", "DenseAttention", "NSAttention"]
+__all__ = ["AttentionConfig", "Compressor", "DenseAttention", "NSAttention", "attention_layer"]

@@ -11,11 +11,12 @@ from torch import nn
 
 from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
 from nsa.layers.compressor import COMPRESSORS, Compressor
-from nsa.layers.rope import apply_rope, rope_frequencies
-from nsa.ops import NSAParams, compressed_length, nsa_attention
+from nsa.layers.rope import RotaryFrequencies, apply_rope
+from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
 
+ATTENTIONS = ("nsa", "dense")
 KV_SHARING = ("independent", "shared")
 BRANCHES = ("cmp", "slc", "win")
 
@@ -33,22 +34,17 @@ def check_positive_float(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Everything an attention layer needs; validated once, when built."""
+    """Everything an attention layer needs; validated once, when built. ``nsa`` (the op's block
+    parameters) and the fields after it are read by NSA layers only."""
 
-    dim: int
-    num_heads: int  # HQ
-    num_kv_heads: int  # H
-    head_dim_k: int
-    head_dim_v: int
+    kind: str = "nsa"  # "nsa" or "dense" (causal SDPA: the baseline)
+    dim: int = 128
+    num_heads: int = 8  # HQ
+    num_kv_heads: int = 2  # H
+    head_dim_k: int = 16
+    head_dim_v: int = 16
     rope_base: float = 10000.0
-    # NSA only
-    cmp_block: int = 32
-    cmp_stride: int = 16
-    sel_block: int = 64
-    num_selected: int = 16
-    window: int = 512
-    num_init: int = 1
-    num_local: int = 2
+    nsa: NSAParams = NSAParams()  # l, d, l', n, w, forced blocks (NSA_SPEC.md)
     kv_sharing: str = "independent"  # separate K/V per branch (paper §3.3.3) or one for all
     compressor: str = "mlp"  # "mlp" (paper) or "mean"
     compressor_hidden: int | None = None  # MLP width, default 2 * head_dim
@@ -56,9 +52,13 @@ class AttentionConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kind not in ATTENTIONS:
+            raise ValueError(f"attention kind must be one of {ATTENTIONS}, got {self.kind!r}")
         for name in ("dim", "num_heads", "num_kv_heads", "head_dim_k", "head_dim_v"):
             check_positive_int(name, getattr(self, name))
         check_positive_float("rope_base", self.rope_base)
+        if not isinstance(self.nsa, NSAParams):
+            raise ValueError(f"nsa must be an NSAParams, got {type(self.nsa).__name__}")
         if self.compressor_hidden is not None:
             check_positive_int("compressor_hidden", self.compressor_hidden)
         if self.num_heads % self.num_kv_heads:
@@ -75,12 +75,6 @@ class AttentionConfig:
                              f"{self.force_branch!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        _ = self.nsa_params  # building NSAParams validates the block parameters
-
-    @property
-    def nsa_params(self) -> NSAParams:
-        return NSAParams(self.cmp_block, self.cmp_stride, self.sel_block, self.num_selected,
-                         self.window, self.num_init, self.num_local)
 
 
 class NSAttention(nn.Module):
@@ -99,14 +93,14 @@ class NSAttention(nn.Module):
         self.q_proj = nn.Linear(c.dim, c.num_heads * c.head_dim_k, bias=False)
         kv_width = self.num_kv_sets * c.num_kv_heads * (c.head_dim_k + c.head_dim_v)
         self.kv_proj = nn.Linear(c.dim, kv_width, bias=False)
-        self.compress_k = Compressor(c.head_dim_k, c.cmp_block, c.cmp_stride, c.compressor,
+        p = c.nsa
+        self.compress_k = Compressor(c.head_dim_k, p.cmp_block, p.cmp_stride, c.compressor,
                                      c.compressor_hidden)
-        self.compress_v = Compressor(c.head_dim_v, c.cmp_block, c.cmp_stride, c.compressor,
+        self.compress_v = Compressor(c.head_dim_v, p.cmp_block, p.cmp_stride, c.compressor,
                                      c.compressor_hidden)
         self.gate_proj = nn.Linear(c.dim, c.num_heads * 3)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
-                             persistent=False)
+        self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
     def _kv(self, x: torch.Tensor):
         """-> (k_cmp_src, v_cmp_src, k_slc, v_slc, k_win, v_win), each [B, T, H, D]."""
@@ -136,24 +130,24 @@ class NSAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.inv_freq)
+                       self.rope.inv_freq)
         k_src, v_src, k_slc, v_slc, k_win, v_win = self._kv(x)
-        k_slc = apply_rope(k_slc, positions, self.inv_freq)
-        k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.inv_freq)
+        k_slc = apply_rope(k_slc, positions, self.rope.inv_freq)
+        k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.rope.inv_freq)
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, first: torch.Tensor):
         """Compressed tokens of [B, T, H, D] sources; the first one's index is ``first`` ([] or
         [B, 1]); keys rotated at the centre of the tokens they summarise."""
-        c = self.config
+        p = self.config.nsa
         k_cmp = self.compress_k(k_src)  # [B, Tc, H, Dk]
         v_cmp = self.compress_v(v_src)  # [B, Tc, H, Dv]
         index = first + torch.arange(k_cmp.shape[1], device=k_src.device)
-        centres = index * c.cmp_stride + (c.cmp_block - 1) / 2
-        return apply_rope(k_cmp, centres, self.inv_freq), v_cmp
+        centres = index * p.cmp_stride + (p.cmp_block - 1) / 2
+        return apply_rope(k_cmp, centres, self.rope.inv_freq), v_cmp
 
     def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win) -> torch.Tensor:
-        c, p = self.config, self.config.nsa_params
+        c, p = self.config, self.config.nsa
         return nsa_attention(
             q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
             cmp_block=p.cmp_block, cmp_stride=p.cmp_stride, sel_block=p.sel_block,
@@ -179,22 +173,22 @@ class NSAttention(nn.Module):
     # Decoding ---------------------------------------------------------------------------
 
     def new_cache(self, batch: int, capacity: int, device, dtype) -> NSACache:
-        c = self.config
+        c, p = self.config, self.config.nsa
         zeros = lambda n, d: torch.zeros(batch, n, c.num_kv_heads, d, device=device,  # noqa
                                          dtype=dtype)
         ring = self.num_kv_sets == 3
-        num_cmp = compressed_length(capacity, c.cmp_block, c.cmp_stride)
+        num_cmp = p.compressed_length(capacity)
         return NSACache(
             k=zeros(capacity, c.head_dim_k), v=zeros(capacity, c.head_dim_v),
-            k_win=zeros(c.window, c.head_dim_k) if ring else None,
-            v_win=zeros(c.window, c.head_dim_v) if ring else None,
-            src_k=zeros(c.cmp_block, c.head_dim_k), src_v=zeros(c.cmp_block, c.head_dim_v),
+            k_win=zeros(p.window, c.head_dim_k) if ring else None,
+            v_win=zeros(p.window, c.head_dim_v) if ring else None,
+            src_k=zeros(p.cmp_block, c.head_dim_k), src_v=zeros(p.cmp_block, c.head_dim_v),
             k_cmp=zeros(num_cmp, c.head_dim_k), v_cmp=zeros(num_cmp, c.head_dim_v))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: NSACache) -> torch.Tensor:
         """forward(x) for [B, P, dim] prompts, right-padded (sequence b is ``lengths[b]``
         long), and fill ``cache`` with their first lengths[b] positions."""
-        c = self.config
+        p = self.config.nsa
         P = x.shape[1]
         out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp) = self._run(x)
         # Later positions of shorter prompts are overwritten by their decode steps before they
@@ -204,32 +198,32 @@ class NSAttention(nn.Module):
         cache.k_cmp[:, :k_cmp.shape[1]] = k_cmp
         cache.v_cmp[:, :v_cmp.shape[1]] = v_cmp
         if cache.k_win is not None:
-            cache.k_win.copy_(ring_from_prefix(k_win, lengths, c.window))
-            cache.v_win.copy_(ring_from_prefix(v_win, lengths, c.window))
-        cache.src_k.copy_(ring_from_prefix(k_src, lengths, c.cmp_block))
-        cache.src_v.copy_(ring_from_prefix(v_src, lengths, c.cmp_block))
+            cache.k_win.copy_(ring_from_prefix(k_win, lengths, p.window))
+            cache.v_win.copy_(ring_from_prefix(v_win, lengths, p.window))
+        cache.src_k.copy_(ring_from_prefix(k_src, lengths, p.cmp_block))
+        cache.src_v.copy_(ring_from_prefix(v_src, lengths, p.cmp_block))
         return out
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache) -> torch.Tensor:
         """One new token per sequence: x [B, 1, dim] at positions ``pos`` [B] -> [B, 1, dim].
         Appends its keys/values (and a compressed token when one completes) to ``cache``."""
-        c = self.config
+        c, p = self.config, self.config.nsa
         B = x.shape[0]
         q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, pos[:, None])
         write_at(cache.k, pos, k_slc[:, 0])
         write_at(cache.v, pos, v_slc[:, 0])
         if cache.k_win is not None:
-            write_at(cache.k_win, pos % c.window, k_win[:, 0])
-            write_at(cache.v_win, pos % c.window, v_win[:, 0])
-        write_at(cache.src_k, pos % c.cmp_block, k_src[:, 0])
-        write_at(cache.src_v, pos % c.cmp_block, v_src[:, 0])
+            write_at(cache.k_win, pos % p.window, k_win[:, 0])
+            write_at(cache.v_win, pos % p.window, v_win[:, 0])
+        write_at(cache.src_k, pos % p.cmp_block, k_src[:, 0])
+        write_at(cache.src_v, pos % p.cmp_block, v_src[:, 0])
         num_cmp = cache.k_cmp.shape[1]
         if num_cmp:  # compressed token i completes when position i·d + l - 1 is appended
-            start = pos - c.cmp_block + 1
-            complete = (start >= 0) & (start % c.cmp_stride == 0)
-            index = (start // c.cmp_stride).clamp(0, num_cmp - 1)  # [B]
-            slots = (index[:, None] * c.cmp_stride
-                     + torch.arange(c.cmp_block, device=x.device)) % c.cmp_block  # [B, l]
+            start = pos - p.cmp_block + 1
+            complete = (start >= 0) & (start % p.cmp_stride == 0)
+            index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
+            slots = (index[:, None] * p.cmp_stride
+                     + torch.arange(p.cmp_block, device=x.device)) % p.cmp_block  # [B, l]
             gather = lambda ring: torch.gather(  # noqa: E731
                 ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
             k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v),
@@ -237,7 +231,7 @@ class NSAttention(nn.Module):
             write_at(cache.k_cmp, index, k_new[:, 0], complete)
             write_at(cache.v_cmp, index, v_new[:, 0], complete)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
-                         self.gates(x)[:, 0], pos, c.nsa_params, k_win=cache.k_win,
+                         self.gates(x)[:, 0], pos, p, k_win=cache.k_win,
                          v_win=cache.v_win, window_ring=cache.k_win is not None,
                          backend=c.backend)
         return self.o_proj(out.reshape(B, 1, c.num_heads * c.head_dim_v))
@@ -252,17 +246,16 @@ class DenseAttention(nn.Module):
         self.q_proj = nn.Linear(c.dim, c.num_heads * c.head_dim_k, bias=False)
         self.kv_proj = nn.Linear(c.dim, c.num_kv_heads * (c.head_dim_k + c.head_dim_v), bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
-        self.register_buffer("inv_freq", rope_frequencies(c.head_dim_k, c.rope_base),
-                             persistent=False)
+        self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.inv_freq)
+                       self.rope.inv_freq)
         kv = self.kv_proj(x).view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
-        return q, apply_rope(k, positions, self.inv_freq), v
+        return q, apply_rope(k, positions, self.rope.inv_freq), v
 
     def _attend(self, q, k, v, **mask) -> torch.Tensor:
         """SDPA over [B, T, heads, D] tensors -> [B, T, HQ * Dv]."""
@@ -297,3 +290,8 @@ class DenseAttention(nn.Module):
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),
                            attn_mask=visible[:, None, None, :])
         return self.o_proj(out)
+
+
+def attention_layer(config: AttentionConfig) -> nn.Module:
+    """The layer ``config.kind`` names."""
+    return (NSAttention if config.kind == "nsa" else DenseAttention)(config)

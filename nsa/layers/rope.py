@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies."""
     exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     return base ** (-exponent)
+
+
+class RotaryFrequencies(nn.Module):
+    """RoPE's inverse frequencies of one layer (a non-persistent buffer, ``inv_freq``), always
+    float32: casting the model (``.to(torch.bfloat16)``) recomputes them on the new device
+    rather than rounding them, so a bf16 model rotates by the angles it was trained with
+    (under autocast they stay float32) whichever way it was cast or loaded."""
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, base), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_frequencies(self.head_dim, self.base, self.inv_freq.device)
+        return self
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

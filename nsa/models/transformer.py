@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nsa.layers.attention import DenseAttention, NSAttention
+from nsa.layers.attention import attention_layer
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
 
@@ -29,9 +29,8 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        attention = NSAttention if config.attention == "nsa" else DenseAttention
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attn = attention(config.attention_config)
+        self.attn = attention_layer(config.attention)
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.hidden_dim)
 

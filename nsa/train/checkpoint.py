@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from nsa.config_tree import differences
 from nsa.train.config import RunConfig
 from nsa.train.distributed import DistContext, all_gather_objects, barrier
 from nsa.train.errors import SetupError
@@ -94,10 +95,13 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def write_manifest(path: Path) -> None:
-    """Record the size and CRC-32 of every file of checkpoint directory ``path``."""
+def write_manifest(path: Path, names: list[str] | None = None) -> None:
+    """Record the size and CRC-32 of every file of checkpoint directory ``path`` (or of the
+    files ``names`` in it)."""
+    found = ([path / name for name in names] if names is not None
+             else [f for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST])
     files = {str(f.relative_to(path)): {"size": f.stat().st_size, "crc32": _crc32(f)}
-             for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+             for f in found}
     tmp = path / f".{MANIFEST}.tmp"
     with open(tmp, "w") as f:
         json.dump({"files": files}, f, indent=1)
@@ -335,12 +339,21 @@ def load_exported(path: Path) -> tuple[RunConfig, dict, int]:
 
 
 def load_model(path: Path):
-    """(config, model on the CPU) from a run directory's newest checkpoint or an exported file.
-    A bad file raises :class:`ModelFileError`, a directory without a checkpoint
-    :class:`RunDirError`."""
+    """(config, model on the CPU) from a run directory's newest checkpoint, an exported file or
+    a Hugging Face directory (``nsa export --hf``, read with the ``hf`` extra). A bad file
+    raises :class:`ModelFileError`, a directory without a checkpoint :class:`RunDirError`."""
     from nsa.models import LanguageModel
 
     path = Path(path)
+    if path.is_dir() and not (path / CHECKPOINTS).is_dir() and any(
+            (path / name).is_file() for name in ("model.safetensors",
+                                                 "model.safetensors.index.json")):
+        try:
+            from nsa.hf.export import load_hf_dir
+        except ImportError as error:
+            raise ModelFileError(f"{path} is a Hugging Face directory: reading it needs the hf "
+                                 f"extra (pip install 'nsa[hf]'; {error})") from None
+        return load_hf_dir(path)
     if path.is_file():
         config, weights, _ = load_exported(path)
         model = LanguageModel(config.model)
@@ -354,7 +367,5 @@ def load_model(path: Path):
 
 
 def config_diff(old, new) -> str:
-    """'name: old -> new' for every field where two configs of one class differ."""
-    changed = [f"{k}: {v!r} -> {new.__dict__[k]!r}" for k, v in old.__dict__.items()
-               if new.__dict__[k] != v]
-    return ", ".join(changed)
+    """'path: old -> new' for every field where two configs of one class differ."""
+    return ", ".join(differences(old, new))

@@ -8,7 +8,8 @@ import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
-from nsa.models.config import ModelConfig, model_preset
+from nsa.config_tree import replace_fields, resolve_key
+from nsa.models.config import MODEL_PRESETS, ModelConfig
 from nsa.train.distributed import PARALLEL
 from nsa.train.tokenizer import TOKENIZERS
 
@@ -141,7 +142,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
-        return cls(model=ModelConfig(**data["model"]), train=TrainConfig(**data["train"]))
+        """From :meth:`to_dict` output; the model part may also be the flat layout of
+        checkpoints written before the config tree (:meth:`ModelConfig.from_dict`)."""
+        return cls(model=ModelConfig.from_dict(data["model"]), train=TrainConfig(**data["train"]))
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
@@ -169,33 +172,23 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
 def build_config(preset: str, overrides: Sequence[str] = ()) -> RunConfig:
     """The named preset with ``key=value`` overrides applied.
 
-    Keys are field names of :class:`ModelConfig` or :class:`TrainConfig`, optionally prefixed
-    ``model.`` or ``train.``; values are parsed to the field's type (``none`` for None).
+    A key names one field of the config tree (``RunConfig`` -> ``model`` / ``train``,
+    ``model.attention``, ``model.attention.nsa``) by its path or any part of it that ends in
+    the field's name and finds one field only: ``window``, ``attention.window``,
+    ``model.attention.nsa.window``. ``attention=dense`` sets ``attention.kind``. Values are
+    parsed to the field's type (``none`` for None).
     """
     if preset not in TRAIN_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
-    changes: dict[type, dict] = {ModelConfig: {}, TrainConfig: {}}
+    changes: dict[str, dict] = {"model": {}, "train": {}}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"override {item!r} must have the form key=value")
-        cls, name = _resolve_key(key.strip())
-        changes[cls][name] = parse_value(name, text.strip(), typing.get_type_hints(cls)[name])
-    return RunConfig(model=model_preset(preset, **changes[ModelConfig]),
-                     train=replace(TRAIN_PRESETS[preset], **changes[TrainConfig]))
-
-
-def _resolve_key(key: str) -> tuple[type, str]:
-    """'dim', 'model.dim' -> (ModelConfig, 'dim'). The two classes share no field name."""
-    prefix, _, name = key.rpartition(".")
-    sections = {"model": ModelConfig, "train": TrainConfig}
-    if prefix and prefix not in sections:
-        raise ValueError(f"unknown config key {key!r}: prefix must be 'model.' or 'train.'")
-    candidates = [sections[prefix]] if prefix else list(sections.values())
-    for cls in candidates:
-        if name in {f.name for f in fields(cls)}:
-            return cls, name
-    raise ValueError(f"unknown config key {key!r}")
+        (section, *path), annotation = resolve_key(RunConfig, key.strip())
+        changes[section][".".join(path)] = parse_value(key.strip(), text.strip(), annotation)
+    return RunConfig(model=replace_fields(MODEL_PRESETS[preset], **changes["model"]),
+                     train=replace_fields(TRAIN_PRESETS[preset], **changes["train"]))
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

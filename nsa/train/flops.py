@@ -66,15 +66,16 @@ def attention_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, fl
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    per_key = 2 * (config.head_dim_k + config.head_dim_v) * config.num_heads
+    a, p = config.attention, config.attention.nsa
+    per_key = 2 * (a.head_dim_k + a.head_dim_v) * a.num_heads
     t = np.arange(seq_len, dtype=np.int64)
-    if config.attention == "dense":
+    if a.kind == "dense":
         return {"dense": per_key * float(np.mean(t + 1))}
-    block, stride = config.cmp_block, config.cmp_stride
-    sel, n = config.sel_block, config.num_selected
+    block, stride = p.cmp_block, p.cmp_stride
+    sel, n = p.sel_block, p.num_selected
     visible = np.where(t >= block - 1, (t - block + 1) // stride + 1, 0)
     selected = np.where(t // sel < n, t + 1, (n - 1) * sel + t % sel + 1)
-    window = np.minimum(config.window, t + 1)
+    window = np.minimum(p.window, t + 1)
     num_compressed = 0 if seq_len < block else (seq_len - block) // stride + 1
     return {
         "compressor": compressor_flops(config) * num_compressed / seq_len,
@@ -86,13 +87,14 @@ def attention_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, fl
 
 def compressor_flops(config: ModelConfig) -> int:
     """Forward FLOPs to make one compressed key and value for every KV head."""
-    if config.compressor != "mlp":
+    a = config.attention
+    if a.compressor != "mlp":
         return 0
     total = 0
-    for head_dim in (config.head_dim_k, config.head_dim_v):
-        hidden = config.compressor_hidden or 2 * head_dim  # as Compressor builds it
-        total += 2 * (config.cmp_block * head_dim * hidden + hidden * head_dim)
-    return total * config.num_kv_heads
+    for head_dim in (a.head_dim_k, a.head_dim_v):
+        hidden = a.compressor_hidden or 2 * head_dim  # as Compressor builds it
+        total += 2 * (a.nsa.cmp_block * head_dim * hidden + hidden * head_dim)
+    return total * a.num_kv_heads
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> float:

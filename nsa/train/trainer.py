@@ -129,10 +129,10 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     peak = peak_flops(device)
     log = print if ctx.is_main else (lambda *args, **kwargs: None)
-    log(f"{unwrap(model).num_parameters():,} parameters ({config.model.attention} attention) on "
-        f"{ctx.world_size} x {device.type} ({t.parallel}) with {torch.get_num_threads()} "
-        f"threads; {tokens_per_step:,} tokens/step; steps {start} -> {t.max_steps}; "
-        f"run_dir {run_dir}", flush=True)
+    log(f"{unwrap(model).num_parameters():,} parameters ({config.model.attention.kind} "
+        f"attention) on {ctx.world_size} x {device.type} ({t.parallel}) with "
+        f"{torch.get_num_threads()} threads; {tokens_per_step:,} tokens/step; steps {start} -> "
+        f"{t.max_steps}; run_dir {run_dir}", flush=True)
     metrics = MetricsLog(run_dir, start, tensorboard=t.tensorboard,
                          wandb_project=t.wandb_project,
                          wandb_config=config.to_dict()) if ctx.is_main else None
@@ -289,7 +289,7 @@ def open_data(t: TrainConfig, ctx: DistContext) -> tuple[Tokenizer | type, Token
 
 def check_attention_backend(model: ModelConfig, device: torch.device) -> None:
     """SetupError, before any work, when NSA's ``backend`` cannot run on ``device``."""
-    if model.attention != "nsa" or model.backend != "triton":
+    if model.attention.kind != "nsa" or model.attention.backend != "triton":
         return
     if not TRITON_AVAILABLE:
         raise SetupError(f"backend=triton needs Triton ({TRITON_MISSING_REASON}): install it on "

@@ -22,9 +22,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import nsa
+from nsa.config_tree import field_paths, is_section, replace_fields
 from nsa.layers.attention import BRANCHES, KV_SHARING, AttentionConfig, NSAttention
 from nsa.layers.compressor import COMPRESSORS
-from nsa.models.config import MODEL_PRESETS, ModelConfig
+from nsa.models.config import MODEL_PRESETS
 from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
 from nsa.train.config import TRAIN_PRESETS, RunConfig, TrainConfig, build_config
 from tests.ops.helpers import (
@@ -421,7 +422,7 @@ def test_attention_layer_fuzzed(fields_broken, B, T, dtype, seed):
     fields, broken = fields_broken
     event(f"broken: {', '.join(broken) or 'nothing'}")
     try:
-        config = AttentionConfig(**fields)
+        config = replace_fields(AttentionConfig(), **fields)
     except ValueError as e:
         assert broken, f"valid config raised {e!r}"
         assert names_one_of(str(e), broken), f"{e!r} does not name {broken}"
@@ -440,8 +441,17 @@ def test_attention_layer_fuzzed(fields_broken, B, T, dtype, seed):
 # build_config: the CLI's key=value overrides
 # ---------------------------------------------------------------------------------------------
 
-HINTS = {name: (cls, hint) for cls in (ModelConfig, TrainConfig)
-         for name, hint in typing.get_type_hints(cls).items()}
+# Every field of the config tree by name (names are unique): its path and type.
+HINTS = {path[-1]: (path, hint) for path, hint in field_paths(RunConfig).items()
+         if not is_section(hint)}
+
+
+def field_at(config, path):
+    for name in path:
+        config = getattr(config, name)
+    return config
+
+
 SPELLINGS = {bool: ["true", "False", "1", "0", "yes", "NO", "on", "off"]}
 
 
@@ -474,8 +484,8 @@ def override_items(draw, preset: str):
     ``...`` marks a field whose value is random text; the error names are set for items that
     must make build_config fail."""
     name = draw(st.sampled_from(sorted(HINTS)))
-    cls, hint = HINTS[name]
-    section = "model" if cls is ModelConfig else "train"
+    path, hint = HINTS[name]
+    section = path[0]
     kind = draw(st.sampled_from(["typed"] * 3 + ["text", "prefix", "unknown", "malformed"]))
     if kind == "unknown":
         key = draw(st.sampled_from(["", "lr_max", "model.lr" if section == "train" else "train.dim",
@@ -486,9 +496,12 @@ def override_items(draw, preset: str):
         return item, None, None, (repr(item),)
     if kind == "text":
         return f"{name}={draw(st.text(max_size=10))}", name, ..., None
-    defaults = (MODEL_PRESETS if cls is ModelConfig else TRAIN_PRESETS).get(preset)
-    text, value = draw(typed_value(hint, getattr(defaults, name, None)))
-    key = f"{section}.{name}" if kind == "prefix" else name
+    defaults = (MODEL_PRESETS if section == "model" else TRAIN_PRESETS).get(preset)
+    text, value = draw(typed_value(hint, field_at(defaults, path[1:]) if defaults else None))
+    # a prefix: any of the sections on the field's path, in order
+    kept = draw(st.lists(st.booleans(), min_size=len(path) - 1, max_size=len(path) - 1))
+    prefix = [part for part, keep in zip(path, kept) if keep] if kind == "prefix" else []
+    key = ".".join([*prefix, name])
     return f" {key} ={text}", name, value, None
 
 
@@ -513,7 +526,7 @@ def test_build_config_fuzzed(preset_items):
     assert isinstance(config, RunConfig)
     last = {name: value for _, name, value, _ in items if name}
     for name, value in last.items():
-        got = getattr(config.model if HINTS[name][0] is ModelConfig else config.train, name)
+        got = field_at(config, HINTS[name][0])
         if value is not ... and not (name == "seq_len" and value is None):
             assert repr(got) == repr(value), f"{name}: {got!r} != {value!r}"  # type, nan
     for f in TrainConfig.__dataclass_fields__:
@@ -527,7 +540,8 @@ def test_build_config_fuzzed(preset_items):
 # ---------------------------------------------------------------------------------------------
 
 LAYER_BASE = dict(dim=8, num_heads=2, num_kv_heads=1, head_dim_k=4, head_dim_v=4, cmp_block=4,
-                  cmp_stride=2, sel_block=4, num_selected=2, window=3, backend="torch")
+                  cmp_stride=2, sel_block=4, num_selected=2, num_local=1, window=3,
+                  backend="torch")
 # AttentionConfig fields that were not checked: TypeError or RuntimeError when the layer was
 # built, or (rope_base <= 0, nan) NaN outputs.
 INVALID_LAYER_FIELDS = [
@@ -544,7 +558,7 @@ INVALID_MODEL_OVERRIDES = ["rope_base=nan", "rope_base=0", "norm_eps=nan", "norm
                          ids=[f"{n}={v!r}" for n, v in INVALID_LAYER_FIELDS])
 def test_layer_fields_are_validated(name, value):
     with pytest.raises(ValueError, match=name):
-        AttentionConfig(**dict(LAYER_BASE, **{name: value}))
+        replace_fields(AttentionConfig(), **dict(LAYER_BASE, **{name: value}))
 
 
 @pytest.mark.parametrize("override", INVALID_MODEL_OVERRIDES)

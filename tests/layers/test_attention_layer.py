@@ -3,14 +3,16 @@
 import pytest
 import torch
 
+from nsa.config_tree import replace_fields
 from nsa.layers import AttentionConfig, Compressor, DenseAttention, NSAttention
 
 SMALL = dict(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=6)
 
 
 def make_config(**overrides) -> AttentionConfig:
+    """A small config; fields by name, the block parameters (``window``, ...) included."""
     base = dict(dim=32, num_heads=4, num_kv_heads=2, head_dim_k=8, head_dim_v=8, **SMALL)
-    return AttentionConfig(**{**base, **overrides})
+    return replace_fields(AttentionConfig(), **{**base, **overrides})
 
 
 def layer_id(value) -> str:

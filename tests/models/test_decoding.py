@@ -4,6 +4,7 @@ batches, across compression-block boundaries, every G and both K/V sharing modes
 import pytest
 import torch
 
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig
 from nsa.models.decoding import sample_token
 from nsa.ops import NSAParams, nsa_select
@@ -15,10 +16,10 @@ T = 41
 
 def model_for(num_heads, num_kv_heads, attention="nsa", kv_sharing="independent",
               backend="torch", **params):
-    config = ModelConfig(vocab_size=50, dim=32, num_layers=2, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, head_dim_k=8, head_dim_v=6, max_seq_len=64,
-                         attention=attention, kv_sharing=kv_sharing, backend=backend,
-                         **{**SMALL, **params})
+    config = replace_fields(
+        ModelConfig(), vocab_size=50, dim=32, num_layers=2, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim_k=8, head_dim_v=6, max_seq_len=64, attention=attention,
+        kv_sharing=kv_sharing, backend=backend, **{**SMALL, **params})
     torch.manual_seed(0)
     return LanguageModel(config).double().eval()
 
@@ -119,9 +120,10 @@ def test_gpu_decode_with_triton_prefill_and_cuda_graph(autocast):
     weights under bf16 autocast (bf16 queries and cache); ``generate`` runs in both."""
     from nsa.models.decoding import GraphedDecodeStep
 
-    config = ModelConfig(vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
-                         head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16,
-                         cmp_stride=8, sel_block=32, num_selected=4, window=48)
+    config = replace_fields(
+        ModelConfig(), vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16, cmp_stride=8, sel_block=32,
+        num_selected=4, window=48)
     torch.manual_seed(0)
     model = LanguageModel(config).cuda().eval()
     tokens = torch.randint(0, 50, (2, 200), device="cuda")

@@ -1,16 +1,20 @@
 """The language model: gradients everywhere, the old hang shape, presets."""
 
-from dataclasses import replace
 
 import pytest
 import torch
 
+from nsa.config_tree import replace_fields
+from nsa.layers import AttentionConfig
 from nsa.models import MODEL_PRESETS, LanguageModel, ModelConfig, model_preset
+from nsa.ops import NSAParams
 
 # The shape on which the earlier system hung in backward at >= 5 layers.
 HANG_SHAPE = ModelConfig(
-    vocab_size=256, dim=128, num_heads=8, num_kv_heads=2, head_dim_k=16, head_dim_v=16,
-    max_seq_len=128, cmp_block=16, cmp_stride=8, sel_block=32, num_selected=8, window=64,
+    vocab_size=256, max_seq_len=128,
+    attention=AttentionConfig(dim=128, num_heads=8, num_kv_heads=2, head_dim_k=16, head_dim_v=16,
+                              nsa=NSAParams(cmp_block=16, cmp_stride=8, sel_block=32,
+                                            num_selected=8, window=64)),
 )
 
 
@@ -18,7 +22,7 @@ HANG_SHAPE = ModelConfig(
 @pytest.mark.parametrize("kv_sharing", ["independent", "shared"])
 def test_every_parameter_gets_a_nonzero_gradient(attention, kv_sharing):
     torch.manual_seed(0)
-    config = replace(model_preset("showcase"), attention=attention, kv_sharing=kv_sharing,
+    config = replace_fields(model_preset("showcase"), attention=attention, kv_sharing=kv_sharing,
                      num_layers=2)
     model = LanguageModel(config)
     tokens = torch.randint(0, 256, (2, 65))
@@ -30,7 +34,7 @@ def test_every_parameter_gets_a_nonzero_gradient(attention, kv_sharing):
 @pytest.mark.parametrize("num_layers", [5, 12])
 def test_old_hang_shape_forward_backward_completes(num_layers):
     torch.manual_seed(0)
-    model = LanguageModel(replace(HANG_SHAPE, num_layers=num_layers))
+    model = LanguageModel(replace_fields(HANG_SHAPE, num_layers=num_layers))
     tokens = torch.randint(0, 256, (1, 129))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
@@ -40,7 +44,7 @@ def test_old_hang_shape_forward_backward_completes(num_layers):
 
 def test_logits_are_causal():
     torch.manual_seed(0)
-    model = LanguageModel(replace(model_preset("showcase"), num_layers=2)).double()
+    model = LanguageModel(replace_fields(model_preset("showcase"), num_layers=2)).double()
     tokens = torch.randint(0, 256, (1, 80))
     logits = model(tokens)
     changed = tokens.clone()
@@ -50,19 +54,20 @@ def test_logits_are_causal():
 
 def test_generate_appends_tokens():
     torch.manual_seed(0)
-    model = LanguageModel(replace(model_preset("showcase"), max_seq_len=16))
+    model = LanguageModel(replace_fields(model_preset("showcase"), max_seq_len=16))
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=20, top_k=5)
     assert out.shape == (2, 23) and out.dtype == torch.long
 
 
 def test_presets():
     m7c = MODEL_PRESETS["m7c-125m"]
-    assert (m7c.dim, m7c.num_layers, m7c.num_heads, m7c.num_kv_heads) == (768, 12, 12, 2)
-    assert (m7c.cmp_block, m7c.cmp_stride, m7c.sel_block, m7c.num_selected, m7c.window) == (
+    a, p = m7c.attention, m7c.attention.nsa
+    assert (m7c.dim, m7c.num_layers, a.num_heads, a.num_kv_heads) == (768, 12, 12, 2)
+    assert (p.cmp_block, p.cmp_stride, p.sel_block, p.num_selected, p.window) == (
         32, 16, 64, 16, 512)
     showcase = MODEL_PRESETS["showcase"]
-    assert (showcase.dim, showcase.num_layers, showcase.num_heads, showcase.max_seq_len) == (
-        128, 1, 8, 128)
+    assert (showcase.dim, showcase.num_layers, showcase.attention.num_heads,
+            showcase.max_seq_len) == (128, 1, 8, 128)
     with pytest.raises(ValueError, match="preset"):
         model_preset("huge")
     with pytest.raises(ValueError, match="attention"):
@@ -78,9 +83,10 @@ def test_tokens_must_be_rank_two():
 def test_activation_checkpointing_recomputes_the_same_graph():
     """Per-block checkpointing recomputes the forward in backward (selection included): the
     gradients equal those of the plain model exactly."""
-    config = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim_k=8, head_dim_v=8, max_seq_len=40, cmp_block=4, cmp_stride=2,
-                         sel_block=8, num_selected=3, window=5)
+    config = replace_fields(
+        ModelConfig(), vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim_k=8, head_dim_v=8, max_seq_len=40, cmp_block=4, cmp_stride=2, sel_block=8,
+        num_selected=3, window=5)
     torch.manual_seed(0)
     model = LanguageModel(config)
     tokens, targets = torch.randint(0, 64, (2, 37)), torch.randint(0, 64, (2, 37))

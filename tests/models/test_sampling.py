@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nsa.models.decoding as decoding
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig
 from nsa.models.decoding import check_sampling, sample_token, stream_tokens
 
@@ -20,10 +21,10 @@ def small_model(max_seq_len: int, attention: str = "nsa") -> LanguageModel:
     """Weights of std 1, not the training init's 0.02: then the next token depends on the
     context (which tokens, at which positions), so a loop reading another window than the
     rule's samples other tokens."""
-    config = ModelConfig(vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim_k=8, head_dim_v=6, max_seq_len=max_seq_len,
-                         attention=attention, backend="torch", cmp_block=4, cmp_stride=2,
-                         sel_block=8, num_selected=3, window=5)
+    config = replace_fields(
+        ModelConfig(), vocab_size=V, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim_k=8, head_dim_v=6, max_seq_len=max_seq_len, attention=attention, backend="torch",
+        cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=5)
     torch.manual_seed(0)
     model = LanguageModel(config).double().eval()
     with torch.no_grad():
@@ -115,9 +116,10 @@ def test_the_decode_step_serves_one_cache_across_prefills(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_generation_equals_eager_past_max_seq_len():
-    config = ModelConfig(vocab_size=V, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
-                         head_dim_k=32, head_dim_v=32, max_seq_len=64, cmp_block=16,
-                         cmp_stride=8, sel_block=32, num_selected=3, window=24)
+    config = replace_fields(
+        ModelConfig(), vocab_size=V, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim_k=32, head_dim_v=32, max_seq_len=64, cmp_block=16, cmp_stride=8, sel_block=32,
+        num_selected=3, window=24)
     torch.manual_seed(0)
     model = LanguageModel(config).cuda().eval()
     prompt = torch.randint(0, V, (2, 40), device="cuda")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nsa
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig
 
 pytest.importorskip("triton")
@@ -46,9 +47,9 @@ def test_select_op_passes_opcheck():
 
 
 def test_compiled_model_has_no_graph_break_and_matches_eager():
-    config = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim_k=8, head_dim_v=8, max_seq_len=40, backend="triton",
-                         **SMALL)
+    config = replace_fields(
+        ModelConfig(), vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim_k=8, head_dim_v=8, max_seq_len=40, backend="triton", **SMALL)
     torch.manual_seed(0)
     model = LanguageModel(config).to(DEVICE)
     tokens = torch.randint(0, 64, (2, 37), device=DEVICE)

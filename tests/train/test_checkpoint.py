@@ -1,10 +1,10 @@
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel
 from nsa.train import RunConfig, build_config
 from nsa.train.checkpoint import (
@@ -87,9 +87,9 @@ def test_failure_mid_save_keeps_previous_checkpoint(tmp_path, parts, monkeypatch
 def test_load_rejects_a_different_model(tmp_path, parts):
     config, model, optimizer = parts
     save_checkpoint(tmp_path, 1, model, optimizer, config, {}, SINGLE, keep=1)
-    other = RunConfig(replace(config.model, dim=48), config.train)
+    other = RunConfig(replace_fields(config.model, dim=48), config.train)
     other_model = LanguageModel(other.model)
-    with pytest.raises(ValueError, match="dim: 32 -> 48"):
+    with pytest.raises(ValueError, match="attention.dim: 32 -> 48"):
         load_checkpoint(latest_checkpoint(tmp_path), other_model,
                         build_optimizer(other_model, other.train), other, SINGLE)
 

@@ -4,13 +4,13 @@ that is missing, empty or too small. A run that needs nothing it cannot have sti
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import nsa.cli
+from nsa.config_tree import replace_fields
 from nsa.train import build_config, train, trainer
 from nsa.train.errors import SetupError
 
@@ -62,7 +62,7 @@ def test_the_triton_backend_needs_triton_and_a_gpu_for_nsa_attention(monkeypatch
     with pytest.raises(SetupError, match="backend=triton needs a CUDA GPU"):
         trainer.check_attention_backend(model, cpu)
     trainer.check_attention_backend(model, gpu)
-    trainer.check_attention_backend(replace(model, attention="dense"), cpu)  # backend unused
+    trainer.check_attention_backend(replace_fields(model, attention="dense"), cpu)  # backend unused
     monkeypatch.setattr(trainer, "TRITON_INTERPRET", True)  # Triton's CPU interpreter (CI)
     trainer.check_attention_backend(model, cpu)
     monkeypatch.setattr(trainer, "TRITON_AVAILABLE", False)

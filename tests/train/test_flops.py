@@ -1,10 +1,9 @@
-from dataclasses import replace
-
 import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel
 from nsa.models.config import ModelConfig, model_preset
 from nsa.ops import nsa_select
@@ -28,8 +27,8 @@ SMALL = dict(dim=32, num_heads=4, num_kv_heads=2, head_dim_k=8, head_dim_v=4, cm
 
 
 def test_dense_attention_by_hand():
-    config = ModelConfig(attention="dense", num_heads=2, num_kv_heads=1, head_dim_k=4,
-                         head_dim_v=4)
+    config = replace_fields(
+        ModelConfig(), kind="dense", num_heads=2, num_kv_heads=1, head_dim_k=4, head_dim_v=4)
     # positions 0..3 see 1, 2, 3, 4 keys: 2.5 on average; 2 heads, 2 * (4 + 4) per key.
     assert attention_flops_breakdown(config, 4) == {"dense": 2 * 2 * 8 * 2.5}
     assert attention_flops_per_token(config, 4) == 80.0
@@ -38,23 +37,23 @@ def test_dense_attention_by_hand():
 def brute_force_keys(config: ModelConfig, seq_len: int) -> dict[str, int]:
     """Keys read by all query heads over all positions, counted one by one; the selected
     blocks come from ``nsa_select`` on random scores."""
-    c = config
+    c, p = config.attention, config.attention.nsa
     group = c.num_heads // c.num_kv_heads
-    num_compressed = compressed_length(seq_len, c.cmp_block, c.cmp_stride)
+    num_compressed = compressed_length(seq_len, p.cmp_block, p.cmp_stride)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, seq_len, c.num_heads, c.head_dim_k, generator=generator)
     k_cmp = torch.randn(1, num_compressed, c.num_kv_heads, c.head_dim_k, generator=generator)
-    blocks = nsa_select(q, k_cmp, cmp_block=c.cmp_block, cmp_stride=c.cmp_stride,
-                        sel_block=c.sel_block, num_selected=c.num_selected,
-                        num_init=c.num_init, num_local=c.num_local, backend="torch")[0]
+    blocks = nsa_select(q, k_cmp, cmp_block=p.cmp_block, cmp_stride=p.cmp_stride,
+                        sel_block=p.sel_block, num_selected=p.num_selected,
+                        num_init=p.num_init, num_local=p.num_local, backend="torch")[0]
     counts = {"cmp": 0, "slc": 0, "win": 0}
     for t in range(seq_len):
         for h in range(c.num_heads):
-            counts["cmp"] += sum(i * c.cmp_stride + c.cmp_block - 1 <= t
+            counts["cmp"] += sum(i * p.cmp_stride + p.cmp_block - 1 <= t
                                  for i in range(num_compressed))
-            counts["slc"] += sum(j * c.sel_block + s <= t for j in blocks[t, h // group].tolist()
-                                 if j >= 0 for s in range(c.sel_block))
-            counts["win"] += sum(max(0, t - c.window + 1) <= s for s in range(t + 1))
+            counts["slc"] += sum(j * p.sel_block + s <= t for j in blocks[t, h // group].tolist()
+                                 if j >= 0 for s in range(p.sel_block))
+            counts["win"] += sum(max(0, t - p.window + 1) <= s for s in range(t + 1))
     return counts
 
 
@@ -65,22 +64,23 @@ def brute_force_keys(config: ModelConfig, seq_len: int) -> dict[str, int]:
 ])
 @pytest.mark.parametrize("seq_len", [5, 43])
 def test_nsa_branches_match_a_count_per_position(overrides, seq_len):
-    config = ModelConfig(**{**SMALL, **overrides})
+    config = replace_fields(ModelConfig(), **{**SMALL, **overrides})
     breakdown = attention_flops_breakdown(config, seq_len)
-    per_key = 2 * (config.head_dim_k + config.head_dim_v)
+    per_key = 2 * (config.attention.head_dim_k + config.attention.head_dim_v)
     for branch, keys in brute_force_keys(config, seq_len).items():
         assert breakdown[branch] == pytest.approx(per_key * keys / seq_len, rel=1e-12), branch
 
 
 def test_selected_keys_are_a_lower_bound_without_a_forced_local_block():
-    config = ModelConfig(**{**SMALL, "num_local": 0, "num_selected": 2})
+    config = replace_fields(ModelConfig(), **{**SMALL, "num_local": 0, "num_selected": 2})
     counted = attention_flops_breakdown(config, 43)["slc"]
-    exact = 2 * (config.head_dim_k + config.head_dim_v) * brute_force_keys(config, 43)["slc"] / 43
+    a = config.attention
+    exact = 2 * (a.head_dim_k + a.head_dim_v) * brute_force_keys(config, 43)["slc"] / 43
     assert counted <= exact
 
 
 def test_compressor_flops_match_torch_flop_counter():
-    config = ModelConfig(**SMALL, compressor_hidden=24, num_layers=2)
+    config = replace_fields(ModelConfig(), **SMALL, compressor_hidden=24, num_layers=2)
     seq_len = 43
     model = LanguageModel(config)
     with FlopCounterMode(display=False) as counter:
@@ -90,17 +90,18 @@ def test_compressor_flops_match_torch_flop_counter():
                    for i in range(2) for kv in "kv")
     per_token = attention_flops_breakdown(config, seq_len)["compressor"]
     assert measured == pytest.approx(2 * per_token * seq_len, rel=1e-12)
-    assert compressor_flops(replace(config, compressor="mean")) == 0
+    assert compressor_flops(replace_fields(config, compressor="mean")) == 0
 
 
 def test_matmul_params_count_every_linear_outside_the_compressors():
-    config = ModelConfig(**SMALL, vocab_size=100, mlp_hidden=48)
-    c, kv_width = config, 3 * config.num_kv_heads * (config.head_dim_k + config.head_dim_v)
+    config = replace_fields(ModelConfig(), **SMALL, vocab_size=100, mlp_hidden=48)
+    c = config.attention
+    kv_width = 3 * c.num_kv_heads * (c.head_dim_k + c.head_dim_v)
     per_layer = (c.dim * c.num_heads * c.head_dim_k + c.dim * kv_width + c.dim * c.num_heads * 3
                  + c.num_heads * c.head_dim_v * c.dim + 3 * c.dim * 48)
-    expected = c.num_layers * per_layer + c.vocab_size * c.dim
+    expected = config.num_layers * per_layer + config.vocab_size * c.dim
     assert matmul_params(LanguageModel(config)) == expected
-    assert matmul_params(LanguageModel(replace(config, tie_embeddings=False))) == expected
+    assert matmul_params(LanguageModel(replace_fields(config, tie_embeddings=False))) == expected
 
 
 def test_linear_flops_match_torch_flop_counter():
@@ -119,7 +120,7 @@ def test_linear_flops_match_torch_flop_counter():
 
 def test_nsa_reads_fewer_keys_than_dense_only_at_long_sequences():
     nsa = model_preset("m7c-125m")
-    dense = replace(nsa, attention="dense")
+    dense = replace_fields(nsa, attention="dense")
     short, long = 512, 65536
     assert attention_flops_per_token(nsa, short) > attention_flops_per_token(dense, short)
     # 64k: about 2k compressed tokens + 1k selected + 512 window keys against 32k on average.
@@ -127,8 +128,9 @@ def test_nsa_reads_fewer_keys_than_dense_only_at_long_sequences():
 
 
 def test_model_flops_are_six_per_parameter_when_attention_is_negligible():
-    config = ModelConfig(attention="dense", vocab_size=1024, dim=64, num_layers=1, num_heads=1,
-                         num_kv_heads=1)
+    config = replace_fields(
+        ModelConfig(), attention="dense", vocab_size=1024, dim=64, num_layers=1, num_heads=1,
+        num_kv_heads=1)
     model = LanguageModel(config)
     flops = model_flops_per_token(config, 1, matmul_params(model))
     assert flops == pytest.approx(6 * model.num_parameters(), rel=0.01)
