@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+
+pytest.importorskip("transformers", reason="needs the hf extra (pip install 'nsa[hf]')")
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import nsa.cli
 import nsa.hf
