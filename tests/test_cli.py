@@ -6,28 +6,12 @@ import torch
 
 import nsa.cli
 import nsa.models.decoding as decoding
-from nsa.models import LanguageModel
 from nsa.models.decoding import sample_token
 from nsa.train import build_config
-from nsa.train.checkpoint import export_model, latest_checkpoint, save_checkpoint
-from nsa.train.distributed import DistContext
-from nsa.train.trainer import build_optimizer
+from nsa.train.checkpoint import export_model, latest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
-SINGLE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 LONG_PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 6  # > 128 bytes
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """An (untrained) run of the tiny preset: max_seq_len 128, bytes."""
-    path = tmp_path_factory.mktemp("runs") / "tiny"
-    config = build_config("tiny", [f"run_dir={path}"])
-    torch.manual_seed(0)
-    model = LanguageModel(config.model)
-    save_checkpoint(path, 1, model, build_optimizer(model, config.train), config, {}, SINGLE,
-                    keep=1)
-    return path
 
 
 @pytest.fixture(scope="module")

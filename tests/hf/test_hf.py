@@ -24,21 +24,16 @@ import nsa.hf
 from nsa.config_tree import replace_fields
 from nsa.hf import NSAConfig, NSAForCausalLM, hf_tokenizer
 from nsa.hf.tokenizer import byte_level_bpe
-from nsa.models import LanguageModel, model_preset
-from nsa.train import build_config
+from nsa.models import model_preset
 from nsa.train.checkpoint import (
     ModelFileError,
     latest_checkpoint,
     load_model,
     model_from_checkpoint,
-    save_checkpoint,
 )
-from nsa.train.distributed import DistContext
 from nsa.train.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
-from nsa.train.trainer import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
-SINGLE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TEXTS = ["ROMEO:", "héllo wörld 🙂", "a\x00b", "  two  spaces\n\ttab", "Ā", "<|endoftext|>x",
          "don't  I'll   ", "1234 56789"]
@@ -60,18 +55,6 @@ def hf_model(kind: str, max_seq_len: int = 64, eos: int | None = 0) -> NSAForCau
         for parameter in model.parameters():
             parameter.normal_(0, 1)
     return model
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """An (untrained) tiny run, bytes tokenizer, with its checkpoint."""
-    path = tmp_path_factory.mktemp("runs") / "tiny"
-    config = build_config("tiny", [f"run_dir={path}"])
-    torch.manual_seed(0)
-    model = LanguageModel(config.model)
-    save_checkpoint(path, 1, model, build_optimizer(model, config.train), config, {}, SINGLE,
-                    keep=1)
-    return path
 
 
 @pytest.fixture(scope="module")
