@@ -2,10 +2,11 @@
 with torch.library (forward, backward, selection) with fake kernels and autograd.
 
 Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> selected
-attention -> window attention -> gated sum. Each branch output is kept for the backward in the
-inputs' dtype (as FlashAttention keeps its output: half the bytes of float32 for the gated sum
-and the gate backward to read), which runs one dq and one dk/dv kernel per branch
-(deterministic: no atomics).
+attention -> window attention -> gated sum. Each branch output is kept in float32 for the
+backward, which runs one dq and one dk/dv kernel per branch (deterministic: no atomics).
+Keeping them in bf16/fp16 (half the bytes) was tried: the gate backward's delta = do · o then
+carries the output's rounding, and where dp - delta cancels the gradients miss the tolerances
+(bench/NOTES.md, v6).
 Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``,
 ``gating`` (each: kernels, then launch wrappers), ``launch`` (launch shapes).
 """
@@ -25,7 +26,7 @@ from nsa.ops.triton.tables import build_tables
 def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scale: float,
              cu_seqlens):
     """-> (out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win); all but ``out`` are what
-    the backward reads (branch outputs in q's dtype, log-sum-exps, selected blocks)."""
+    the backward reads (branch outputs in float32, log-sum-exps, selected blocks)."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
     idx = select(q, k_cmp, lse_cmp, tables, params, scale)
@@ -78,7 +79,7 @@ def _(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, cmp_block, cmp_str
       num_selected, window, num_init, num_local, scale):
     B, T, HQ, _ = q.shape
     H, Dv = k.shape[2], v.shape[3]
-    branch_out = q.new_empty(B, T, HQ, Dv)
+    branch_out = q.new_empty(B, T, HQ, Dv, dtype=torch.float32)
     lse = q.new_empty(B, T, HQ, dtype=torch.float32)
     idx = q.new_empty(B, T, H, num_selected, dtype=torch.int32)
     return [q.new_empty(B, T, HQ, Dv), idx, branch_out, torch.empty_like(branch_out),

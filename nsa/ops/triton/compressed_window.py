@@ -6,7 +6,7 @@ sequence).
 Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R // G`` consecutive
 positions times the ``G`` query heads that share the KV head, so small groups still fill a
 matrix tile (no padding of G). Every row knows its own key range, which also handles packed
-variable-length batches. Forward writes the branch output (in q's dtype) and its log-sum-exp
+variable-length batches. Forward writes the branch output (float32) and its log-sum-exp
 (base 2); backward is deterministic: one kernel for dq (per query tile), one for dk/dv (per key
 tile, looping over the queries that can see it), no atomics.
 
@@ -261,7 +261,7 @@ def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> 
 def branch_forward(q, k, v, tables, mode, params, scale):
     """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("dense_fwd", G, max(Dk, Dv))
     grid = (triton.cdiv(T, R // G), B * H)

@@ -70,7 +70,7 @@ def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, DO_CMP, DO_SLC, DO_WIN
 
 
 def gated_sum(o_cmp, o_slc, o_win, gates, dtype):
-    """out [B, T, HQ, Dv] in ``dtype`` = Σ_i gates[..., i] o_i, summed in float32."""
+    """out [B, T, HQ, Dv] in ``dtype`` = Σ_i gates[..., i] o_i (branch outputs in float32)."""
     out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
     N, Dv = out.numel() // out.shape[-1], out.shape[-1]
     _gated_sum_kernel[(triton.cdiv(N, GATE_ROWS),)](

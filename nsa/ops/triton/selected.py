@@ -311,7 +311,7 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
 
 def selected_forward(q, k, v, idx, tables, params, scale):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     kd, vd, tma = _block_descriptors(k, v, params)
     _selected_fwd_kernel[(T, B * H)](
