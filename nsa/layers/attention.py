@@ -11,6 +11,7 @@ from torch import nn
 
 from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
 from nsa.layers.compressor import COMPRESSORS, Compressor
+from nsa.layers.documents import PackedDocuments, as_packed_documents
 from nsa.layers.rope import RotaryFrequencies, apply_rope
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
@@ -84,6 +85,10 @@ class NSAttention(nn.Module):
     token position t. Compressed keys are built from un-rotated keys (the compressor's own
     intra-block position embedding encodes order inside a block) and then rotated at the centre
     of the tokens they summarise, i·d + (l - 1) / 2, so q·k_cmp sees the distance to the block.
+
+    Packed documents (``forward(x, cu_seqlens)``, B = 1): t and i count from each document's
+    start, and compressed tokens are made per document (never across a boundary), packed as
+    the op takes them; each document's output is the one it would have alone.
     """
 
     def __init__(self, config: AttentionConfig):
@@ -136,39 +141,56 @@ class NSAttention(nn.Module):
         k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.rope.inv_freq)
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win
 
-    def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, first: torch.Tensor):
-        """Compressed tokens of [B, T, H, D] sources; the first one's index is ``first`` ([] or
-        [B, 1]); keys rotated at the centre of the tokens they summarise."""
+    def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, index: torch.Tensor,
+                  first: torch.Tensor | None = None):
+        """Compressed tokens of [B, T, H, D] sources: each one's index within its sequence is
+        ``index`` ([Tc] or [B, Tc]); it summarises tokens [i·d, i·d + l), or, for packed
+        documents, the l tokens from ``first`` [Tc]. Keys rotated at the centre of the tokens
+        they summarise."""
         p = self.config.nsa
-        k_cmp = self.compress_k(k_src)  # [B, Tc, H, Dk]
-        v_cmp = self.compress_v(v_src)  # [B, Tc, H, Dv]
-        index = first + torch.arange(k_cmp.shape[1], device=k_src.device)
+        k_cmp = self.compress_k(k_src, first)  # [B, Tc, H, Dk]
+        v_cmp = self.compress_v(v_src, first)  # [B, Tc, H, Dv]
         centres = index * p.cmp_stride + (p.cmp_block - 1) / 2
         return apply_rope(k_cmp, centres, self.rope.inv_freq), v_cmp
 
-    def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win) -> torch.Tensor:
+    def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win,
+                cu_seqlens=None) -> torch.Tensor:
         c, p = self.config, self.config.nsa
         return nsa_attention(
             q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
             cmp_block=p.cmp_block, cmp_stride=p.cmp_stride, sel_block=p.sel_block,
             num_selected=p.num_selected, window=p.window, num_init=p.num_init,
-            num_local=p.num_local, backend=c.backend,
+            num_local=p.num_local, cu_seqlens=cu_seqlens, backend=c.backend,
         )  # [B, T, HQ, Dv]
 
-    def _run(self, x: torch.Tensor):
+    def _run(self, x: torch.Tensor, documents: PackedDocuments | None = None):
         """x [B, T, dim] -> (output [B, T, dim], the keys/values a cache keeps: k_src, v_src,
         k_slc, v_slc, k_win, v_win [B, T, H, D] and k_cmp, v_cmp [B, Tc, H, D])."""
         c = self.config
         B, T, _ = x.shape
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(
-            x, torch.arange(T, device=x.device))
-        k_cmp, v_cmp = self._compress(k_src, v_src, torch.zeros((), device=x.device))
-        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win)
+        if documents is None:
+            positions = torch.arange(T, device=x.device)
+            cmp_index = torch.arange(c.nsa.compressed_length(T), device=x.device)
+            cmp_first = cu_seqlens = None
+        else:
+            positions, cmp_index = documents.positions, documents.cmp_index
+            cmp_first, cu_seqlens = documents.cmp_first, documents.cu_seqlens
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
+        k_cmp, v_cmp = self._compress(k_src, v_src, cmp_index, cmp_first)
+        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win,
+                           cu_seqlens)
         out = self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
         return out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x)[0]
+    def forward(self, x: torch.Tensor,
+                cu_seqlens: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]. ``cu_seqlens`` (int32 [N+1], B = 1; or the
+        :class:`~nsa.layers.documents.PackedDocuments` a model made of it) packs N documents
+        along T, each computed as if alone (see :mod:`nsa.layers.documents`); ValueError when
+        it is malformed. Prefill and decoding take no documents."""
+        documents = None if cu_seqlens is None else as_packed_documents(cu_seqlens, x,
+                                                                       self.config.nsa)
+        return self._run(x, documents)[0]
 
     # Decoding ---------------------------------------------------------------------------
 
@@ -238,7 +260,12 @@ class NSAttention(nn.Module):
 
 
 class DenseAttention(nn.Module):
-    """Causal softmax attention with GQA through SDPA: the baseline NSA is measured against."""
+    """Causal softmax attention with GQA through SDPA: the baseline NSA is measured against.
+
+    Packed documents (``forward(x, cu_seqlens)``, B = 1): positions restart per document and
+    SDPA takes a block-diagonal causal mask, a [T, T] bool tensor: O(T²) memory, fine for the
+    baseline at training lengths, and SDPA then runs a kernel that takes a mask, not flash.
+    """
 
     def __init__(self, config: AttentionConfig):
         super().__init__()
@@ -266,9 +293,15 @@ class DenseAttention(nn.Module):
         )  # [B, HQ, T, Dv]
         return out.transpose(1, 2).flatten(2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
-        return self.o_proj(self._attend(q, k, v, is_causal=True))
+    def forward(self, x: torch.Tensor,
+                cu_seqlens: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; ``cu_seqlens`` as :meth:`NSAttention.forward`."""
+        if cu_seqlens is None:
+            q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
+            return self.o_proj(self._attend(q, k, v, is_causal=True))
+        documents = as_packed_documents(cu_seqlens, x, self.config.nsa)
+        q, k, v = self._project(x, documents.positions)
+        return self.o_proj(self._attend(q, k, v, attn_mask=documents.attention_mask()))
 
     def new_cache(self, batch: int, capacity: int, device, dtype) -> DenseCache:
         c = self.config

@@ -16,6 +16,13 @@ def compression_blocks(x: torch.Tensor, block: int, stride: int) -> torch.Tensor
     return x.unfold(1, block, stride).permute(0, 1, 2, 4, 3)
 
 
+def blocks_from(x: torch.Tensor, first: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, Tc, H, block, D]: the tokens [first[i], first[i] + block) of each i
+    (``first`` [Tc], e.g. the compressed tokens of documents packed along T)."""
+    index = first[:, None] + torch.arange(block, device=x.device)  # [Tc, block]
+    return x[:, index].transpose(2, 3)
+
+
 class Compressor(nn.Module):
     """phi of the paper: maps each block of ``block`` tokens to one token.
 
@@ -36,9 +43,13 @@ class Compressor(nn.Module):
                 nn.Linear(block * head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, H, D] -> [B, Tc, H, D]"""
-        blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, H, D] -> [B, Tc, H, D]: a compressed token every ``stride`` tokens from 0, or,
+        given ``first`` [Tc], one for each block of ``block`` tokens starting at first[i]."""
+        if first is None:
+            blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
+        else:
+            blocks = blocks_from(x, first, self.block)  # [B, Tc, H, l, D]
         if self.kind == "mean":
             return blocks.mean(dim=-2)
         return self.mlp((blocks + self.position).flatten(-2))

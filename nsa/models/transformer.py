@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nsa.layers.attention import attention_layer
+from nsa.layers.documents import PackedDocuments, pack_documents
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
 
@@ -34,8 +35,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents)
         return x + self.mlp(self.mlp_norm(x))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
@@ -88,17 +89,31 @@ class LanguageModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """tokens [B, T] -> logits [B, T, vocab], or the mean cross-entropy if ``targets`` given."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None):
+        """tokens [B, T] -> logits [B, T, vocab], or the mean cross-entropy if ``targets`` given.
+
+        ``cu_seqlens`` (int32 [N+1], B = 1) packs N documents along T, each computed as if
+        alone (positions restart; attention and compressed tokens stay inside a document), so
+        T may exceed max_seq_len as long as no document does. Pass it on the CPU: its values
+        are read on the host (a device sync for a GPU tensor). The loss is unchanged: targets
+        are read as given, across boundaries too. Generation takes no documents.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tuple(tokens.shape)}")
-        self._check_length("tokens", tokens.shape[1])
+        documents = None
+        if cu_seqlens is None:
+            self._check_length("tokens", tokens.shape[1])
+        else:
+            documents = pack_documents(cu_seqlens, *tokens.shape, tokens.device,
+                                       self.config.attention.nsa)
+            self._check_length("a document of cu_seqlens", documents.max_length)
         x = self.embed(tokens)  # [B, T, dim]
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)  # recomputed in backward
+                x = checkpoint(block, x, documents, use_reentrant=False)  # recomputed in backward
             else:
-                x = block(x)
+                x = block(x, documents)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits

@@ -47,6 +47,9 @@ class TrainConfig:
     tokenizer: str = "bytes"  # "bytes" or "gpt2" (tiktoken)
     dataset_config: str | None = None  # hub config, default "sample-10BT" for fineweb
     val_docs: int = 1000  # documents of a document stream held out for validation
+    # Document masking: each document of a packed row attends only to itself, positions
+    # restarting (documents end at the tokenizer's eot id; see nsa.train.data.document_offsets).
+    doc_masking: bool = False
     data_retries: int = 5  # re-opens of a failing stream, with exponential backoff
     data_backoff_s: float = 2.0
     # Parallelism under torchrun: "none", "ddp" or "fsdp" (FSDP2). batch_size is global.
@@ -108,6 +111,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be None or > 0, got {value}")
         if not self.data:
             raise ValueError("data must not be empty")
+        if self.doc_masking and self.data == "synthetic":
+            raise ValueError("doc_masking=true needs data made of documents (each ended by the "
+                             "tokenizer's eot id): data=synthetic has none, and holds the eot id "
+                             "at random")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not self.sample_prompt:

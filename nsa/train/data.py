@@ -38,6 +38,19 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
     return tokens[: len(tokens) - num_val], tokens[len(tokens) - num_val:]
 
 
+def document_offsets(x: torch.Tensor, eot: int) -> torch.Tensor:
+    """cu_seqlens (int32 [N+1], on x's device) of the documents of rows x [B, T] read as one
+    packed row of B·T tokens: a document starts at each row's first token and after each
+    ``eot`` token (which ends, and belongs to, the document before it). Streams join documents
+    with the eot id; a corpus without it (the bundled one is one long text) gives one document
+    per row."""
+    B, T = x.shape
+    starts = torch.ones(B, T, dtype=torch.bool, device=x.device)
+    starts[:, 1:] = x[:, :-1] == eot
+    first = starts.flatten().nonzero().flatten()  # [N]
+    return torch.cat([first, first.new_tensor([B * T])]).to(torch.int32)
+
+
 class BatchSampler:
     """Random windows of ``seq_len + 1`` tokens from ``tokens``, as (inputs, targets)."""
 

@@ -39,6 +39,7 @@ from nsa.train.checkpoint import (
     save_checkpoint,
 )
 from nsa.train.config import RunConfig, TrainConfig
+from nsa.train.data import document_offsets
 from nsa.train.distributed import (
     DistContext,
     all_gather_objects,
@@ -107,6 +108,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
         resume = bool(checkpoint_dirs(Path(t.run_dir)))
     run_dir = prepare_run_dir(Path(t.run_dir), resume, overwrite, ctx)
     tokenizer, train_stream, val_stream = open_data(t, ctx)
+    eot = tokenizer.eot if t.doc_masking else None
 
     torch.manual_seed(t.seed)
     model = LanguageModel(config.model).to(device)
@@ -151,7 +153,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
         for step in range(start + 1, t.max_steps + 1):
             lr = set_learning_rate(optimizer, step, t)
             micro = (train_stream.next_batch() for _ in range(t.grad_accum))
-            local_loss, grad_norm = train_step(model, optimizer, micro, device, t)
+            local_loss, grad_norm = train_step(model, optimizer, micro, device, t, eot)
             loss = all_reduce_mean(local_loss, ctx)
             diverged |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
             throughput.step()
@@ -167,7 +169,8 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
                     metrics.log(record)
                     progress.update(step, summarize(record))
             if step % t.eval_interval == 0 and step < t.max_steps:
-                val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx)
+                val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx,
+                                    eot)
                 if ctx.is_main:
                     metrics.log({"step": step, "val_loss": val_loss})
                     progress.write(f"step {step}: val loss {val_loss:.4f}")
@@ -180,7 +183,7 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
                 watchdog.step_done(step)
         if progress is not None:
             progress.close()
-        val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx)
+        val_loss = evaluate(model, val_stream, t.eval_steps, device, t.autocast, ctx, eot)
     sample = ""
     if t.sample_tokens:  # every rank: FSDP gathers weights
         sample_tokenizer = load_sample_tokenizer(tokenizer, t, ctx)
@@ -410,21 +413,38 @@ def autocast(device: torch.device, enabled: bool) -> torch.autocast:
                           enabled=enabled and device.type == "cuda")
 
 
+def model_inputs(x: torch.Tensor, y: torch.Tensor, device: torch.device,
+                 eot: int | None = None) -> dict[str, torch.Tensor]:
+    """The model's arguments for a host batch (x, y) [B, T]: tokens and targets on ``device``.
+
+    Document masking (``eot`` given): the rows are flattened into one packed row of B·T tokens
+    and ``cu_seqlens`` gives its documents (:func:`~nsa.train.data.document_offsets`: row
+    starts and the token after each eot), on the host, so one attention call serves the batch.
+    The loss is the same mean over the same (token, target) pairs: the eot's target is still
+    the next document's first token; only what each token attends to changes.
+    """
+    if eot is None:
+        return {"tokens": to_device(x, device), "targets": to_device(y, device)}
+    return {"tokens": to_device(x.reshape(1, -1), device),
+            "targets": to_device(y.reshape(1, -1), device),
+            "cu_seqlens": document_offsets(x, eot)}
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-               t: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+               t: TrainConfig, eot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``grad_accum`` micro-batches; gradients are reduced across
-    ranks only on the last one.
+    ranks only on the last one. ``eot``: masks documents (:func:`model_inputs`).
 
     Returns (this rank's mean loss, global gradient norm before clipping) as device tensors
     (no host sync).
     """
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(batches):
-        x, y = to_device(x, device), to_device(y, device)
+        inputs = model_inputs(x, y, device, eot)
         with gradient_sync(model, enabled=i == t.grad_accum - 1):
             with autocast(device, t.autocast):
-                loss = model(x, y) / t.grad_accum
+                loss = model(**inputs) / t.grad_accum
             loss.backward()
         total += loss.detach()
     max_norm = math.inf if t.grad_clip is None else t.grad_clip
@@ -446,16 +466,17 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, stream: TokenStream, num_batches: int, device: torch.device,
-             use_autocast: bool, ctx: DistContext) -> float:
+             use_autocast: bool, ctx: DistContext, eot: int | None = None) -> float:
     """Mean loss (nats per token) over the first ``num_batches`` batches of ``stream``, averaged
-    over ranks (every evaluation reads the same rows)."""
+    over ranks (every evaluation reads the same rows), documents masked as in training when
+    ``eot`` is given."""
     model.eval()
     stream.reset()
     losses = []
     for _ in range(num_batches):
         x, y = stream.next_batch()
         with autocast(device, use_autocast):
-            losses.append(model(x.to(device), y.to(device)))
+            losses.append(model(**model_inputs(x, y, device, eot)))
     model.train()
     return all_reduce_mean(torch.stack(losses).mean(), ctx).item()
 

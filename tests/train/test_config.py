@@ -87,6 +87,12 @@ def test_bad_override_raises_naming_the_key(override, named):
         build_config("tiny", [override])
 
 
+def test_doc_masking_needs_documents():
+    assert build_config("tiny", ["doc_masking=true"]).train.doc_masking
+    with pytest.raises(ValueError, match="doc_masking=true needs data made of documents"):
+        build_config("tiny", ["doc_masking=true", "data=synthetic"])
+
+
 def test_unknown_preset_raises_naming_it():
     with pytest.raises(ValueError, match="huge"):
         build_config("huge", [])

@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from nsa.train.data import TRAIN_STREAM, VAL_STREAM, BatchSampler, load_corpus, split_tokens
+from nsa.train.data import (
+    TRAIN_STREAM,
+    VAL_STREAM,
+    BatchSampler,
+    document_offsets,
+    load_corpus,
+    split_tokens,
+)
 from nsa.train.tokenizer import VOCAB_SIZE, decode, encode
 
 
@@ -55,3 +62,17 @@ def test_windows_cover_the_whole_range():
 def test_too_short_split_is_rejected():
     with pytest.raises(ValueError, match="seq_len=16"):
         BatchSampler(torch.arange(16), batch_size=1, seq_len=16, seed=0, stream=0)
+
+
+def test_documents_start_at_each_row_and_after_each_eot():
+    eot = 0
+    x = torch.tensor([[5, 0, 7, 7, 0],    # eot inside a row: a document starts after it
+                      [0, 3, 3, 3, 3],    # eot first: a one-token document
+                      [4, 4, 4, 4, 0]])   # eot last: the next row starts one anyway
+    assert document_offsets(x, eot).tolist() == [0, 2, 5, 6, 10, 15]
+    assert document_offsets(x, eot).dtype == torch.int32
+
+
+def test_the_bundled_corpus_has_no_eot_so_each_row_is_one_document():
+    x, _ = BatchSampler(load_corpus(), batch_size=4, seq_len=64, seed=0, stream=0).batch(0)
+    assert document_offsets(x, 0).tolist() == [0, 64, 128, 192, 256]

@@ -1,3 +1,4 @@
+import json
 import math
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from nsa.train.checkpoint import (
     load_model_weights,
     read_trainer_state,
 )
-from nsa.train.data import BatchSampler
+from nsa.train.data import BatchSampler, read_corpus
 from nsa.train.metrics import METRICS, MetricsLog, Progress, read_metrics
 from nsa.train.trainer import build_optimizer, learning_rate, train_step
 
@@ -156,6 +157,54 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_overrides, grad_clip):
     torch.testing.assert_close(loss2, loss1)
     torch.testing.assert_close(norm2, norm1)
     torch.testing.assert_close(params2, params1)
+
+
+def test_doc_masking_without_eot_in_the_rows_is_the_unmasked_step(tiny_overrides):
+    """Rows holding no eot are one document each: the packed step (rows flattened into one row
+    with their boundaries) computes the loss, gradients and update of the batched one."""
+    x = torch.randint(1, 256, (2, 32))
+    y = torch.randint(0, 256, (2, 32))
+    config = build_config("tiny", tiny_overrides)
+    results = []
+    for eot in (None, 0):
+        torch.manual_seed(0)
+        model = LanguageModel(config.model)
+        optimizer = build_optimizer(model, config.train)
+        loss, norm = train_step(model, optimizer, [(x, y)], torch.device("cpu"), config.train,
+                                eot)
+        results.append((loss, norm, torch.nn.utils.parameters_to_vector(model.parameters())))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_doc_masking_passes_the_documents_of_each_packed_batch(tmp_path, tiny_overrides,
+                                                               monkeypatch):
+    """Documents (lines of the bundled corpus) joined by the eot id: the model gets each batch's
+    rows as one packed row, with a boundary at each row start and after each eot."""
+    lines = [line for line in read_corpus().splitlines()[:300] if line]
+    data = tmp_path / "lines.jsonl"
+    data.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    calls = []
+    forward = LanguageModel.forward
+
+    def recording_forward(self, tokens, targets=None, cu_seqlens=None):
+        calls.append((tokens.clone(), cu_seqlens))
+        return forward(self, tokens, targets, cu_seqlens)
+
+    monkeypatch.setattr(LanguageModel, "forward", recording_forward)
+    result = train(build_config("tiny", [*tiny_overrides, f"data={data}", "val_docs=20",
+                                         "doc_masking=true", "max_steps=3", "eval_interval=2",
+                                         "sample_tokens=0"]))
+    assert math.isfinite(result.train_loss) and math.isfinite(result.val_loss)
+    assert len(calls) == 3 + 2 * 2  # 3 steps, 2 evaluations of eval_steps=2
+    inside = 0
+    for tokens, cu in calls:
+        assert tokens.shape == (1, 2 * 32) and cu.dtype == torch.int32
+        after_eot = [i + 1 for i, token in enumerate(tokens[0].tolist()) if token == 0]
+        expected = sorted({0, 32, *after_eot} - {64}) + [64]
+        assert cu.tolist() == expected
+        inside += len(expected) - 3
+    assert inside > 0  # documents ended inside rows
 
 
 def test_metrics_log_drops_records_after_the_resume_step(tmp_path):
