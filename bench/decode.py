@@ -1,15 +1,17 @@
 """NSA decode step vs dense SDPA over the same KV cache, and end-to-end generation speed.
 
     python bench/decode.py                       # the issue's sweep on one GPU
-    python bench/decode.py --contexts 8192 --batches 1
+    python bench/decode.py --contexts 8192 --batches 1 --gen-contexts 2048
+    TRITON_INTERPRET=1 python bench/decode.py --smoke   # the same code paths, tiny, on a CPU
 
 Per context T and batch B (HQ=64, H=4, D=128, bf16, paper parameters, every sequence at
 position T-1): median time of one decode-step attention (``triton.testing.do_bench``) for NSA
 (Triton kernels and the PyTorch path, each eager and replayed as a CUDA graph) and dense SDPA
 with each backend that runs; bytes each reads per step (NSA: the spec's token count; dense: the
 whole cache) and the achieved bandwidth, against a device-to-device copy measured in the same
-run. Then tokens/s of the m7c-125m model (random weights) generating with and without CUDA
-graphs.
+run; the time of each Triton kernel of the step (profiler). Then the decoding speed of the
+m7c-125m model (random weights, B=1) after a prompt of 2k, 8k and 32k tokens, NSA and dense,
+with and without CUDA graphs; and the issue's targets, met or missed, from these numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -27,20 +30,36 @@ from nsa.models import LanguageModel, model_preset
 from nsa.models.decoding import capture_cuda_graph, stream_tokens
 from nsa.ops import NSAParams
 from nsa.ops.decode import nsa_decode, tokens_read
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
 
 PARAMS = NSAParams()  # paper defaults: l=32, d=16, l'=64, n=16, w=512
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "cudnn": SDPBackend.CUDNN_ATTENTION}
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DECODE_KERNELS = ("_compressed_kernel", "_select_kernel", "_selected_kernel")
+
+
+def bench(fn) -> float:
+    """Median ms of fn(): ``do_bench`` on the GPU, wall time of a few calls on the CPU."""
+    if CUDA:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
 
 
 def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written)."""
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    """GB/s of a device-to-device copy (bytes read + written): 1 GiB on the GPU."""
+    src = torch.empty(1 << (29 if CUDA else 22), dtype=torch.bfloat16, device=DEVICE)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
-    return 2 * src.numel() * 2 / ms / 1e6
+    return 2 * src.numel() * 2 / bench(lambda: dst.copy_(src)) / 1e6
 
 
 def graphed(fn):
@@ -48,33 +67,58 @@ def graphed(fn):
     return capture_cuda_graph(fn)[0].replay
 
 
-def step_inputs(T: int, B: int, HQ: int, H: int, D: int):
-    make = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device="cuda")  # noqa
-    C = PARAMS.compressed_length(T)
+def step_inputs(T: int, B: int, HQ: int, H: int, D: int, params: NSAParams):
+    dtype = torch.bfloat16 if CUDA else torch.float16  # the interpreter has no correct bf16
+    make = lambda *shape: torch.randn(*shape, dtype=dtype, device=DEVICE)  # noqa: E731
+    C = params.compressed_length(T)
     return dict(q=make(B, HQ, D), k=make(B, T, H, D), v=make(B, T, H, D),
                 k_cmp=make(B, C, H, D), v_cmp=make(B, C, H, D),
-                gates=torch.rand(B, HQ, 3, dtype=torch.bfloat16, device="cuda"),
-                k_win=make(B, PARAMS.window, H, D), v_win=make(B, PARAMS.window, H, D),
-                pos=torch.full((B,), T - 1, dtype=torch.long, device="cuda"))
+                gates=torch.rand(B, HQ, 3, dtype=dtype, device=DEVICE),
+                k_win=make(B, params.window, H, D), v_win=make(B, params.window, H, D),
+                pos=torch.full((B,), T - 1, dtype=torch.long, device=DEVICE))
 
 
-def measure_step(T: int, B: int, HQ: int, H: int, D: int) -> list[dict]:
-    from triton.testing import do_bench
+def kernel_times(fn) -> dict:
+    """Mean µs of each Triton kernel of the decode step over 20 eager calls (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    x = step_inputs(T, B, HQ, H, D)
-    bench = lambda fn: do_bench(fn, warmup=10, rep=100, return_mode="median")  # noqa
-    tokens = tokens_read(x["pos"], PARAMS)  # [B] per KV head
-    nsa_bytes = int(tokens.sum()) * H * 2 * D * 2 + x["q"].numel() * 2
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        name = next((k for k in DECODE_KERNELS if k in event.key), None)
+        if name is not None:
+            total = getattr(event, "device_time_total", None) or event.cuda_time_total
+            times[name] = total / event.count
+    return times
+
+
+def measure_step(T: int, B: int, HQ: int, H: int, D: int, params: NSAParams) -> list[dict]:
+    x = step_inputs(T, B, HQ, H, D, params)
+    tokens = tokens_read(x["pos"], params)  # [B] per KV head
+    element = x["k"].element_size()
+    nsa_bytes = int(tokens.sum()) * H * 2 * D * element + x["q"].numel() * element
+    backends = ["torch"] + (["triton"] if TRITON_AVAILABLE and (CUDA or TRITON_INTERPRET)
+                            else [])
     rows = []
-    for backend in ("triton", "torch"):
+    for backend in backends:
         nsa = lambda backend=backend: nsa_decode(  # noqa: E731
-            x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"], x["pos"], PARAMS,
+            x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"], x["pos"], params,
             k_win=x["k_win"], v_win=x["v_win"], window_ring=True, backend=backend)
-        rows += [dict(impl=f"nsa-{backend}", ms=bench(nsa), bytes=nsa_bytes),
-                 dict(impl=f"nsa-{backend}+graph", ms=bench(graphed(nsa)), bytes=nsa_bytes)]
+        row = dict(impl=f"nsa-{backend}", ms=bench(nsa), bytes=nsa_bytes)
+        if CUDA and backend == "triton":
+            row["kernels_us"] = kernel_times(nsa)
+        rows.append(row)
+        if CUDA:
+            rows.append(dict(impl=f"nsa-{backend}+graph", ms=bench(graphed(nsa)),
+                             bytes=nsa_bytes))
     q = x["q"].view(B, HQ, 1, D)
     k, v = x["k"].transpose(1, 2), x["v"].transpose(1, 2)  # [B, H, T, D]
-    dense_bytes = B * H * T * 2 * D * 2 + x["q"].numel() * 2
+    dense_bytes = B * H * T * 2 * D * element + x["q"].numel() * element
     for name, backend in SDPA_BACKENDS.items():
         # One query at the last position sees every cached key: no mask (is_causal=True
         # with a single query would let it see key 0 only).
@@ -82,25 +126,81 @@ def measure_step(T: int, B: int, HQ: int, H: int, D: int) -> list[dict]:
         try:
             with sdpa_kernel(backend):
                 rows.append(dict(impl=f"sdpa-{name}", ms=bench(dense), bytes=dense_bytes))
-        except RuntimeError:  # this backend has no kernel for the shape
+        except RuntimeError:  # this backend has no kernel for the shape (or device)
             continue
     for row in rows:
         row.update(T=T, B=B, GBps=row["bytes"] / row["ms"] / 1e6)
     return rows
 
 
-def generation_speed(attention: str, cuda_graph: bool, prompt_len: int, new_tokens: int) -> float:
-    config = model_preset("m7c-125m", attention=attention)
-    torch.manual_seed(0)
-    model = LanguageModel(config).to("cuda", torch.bfloat16).eval()
-    prompt = torch.randint(0, config.vocab_size, (1, prompt_len), device="cuda")
-    for _ in stream_tokens(model, prompt, 8, cuda_graph=cuda_graph):  # warm-up, compile
-        pass
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for token in stream_tokens(model, prompt, new_tokens, cuda_graph=cuda_graph):
-        token.item()  # streamed: each token reaches the host
-    return new_tokens / (time.perf_counter() - began)
+def decoding_speed(model, cuda_graph: bool, context: int, new_tokens: int) -> dict:
+    """Decoding tokens/s (B=1) after a prompt of ``context`` tokens, each token copied to the
+    host as it comes (streamed), and the prefill time (the second of two identical runs: the
+    first compiles what this context's shapes need)."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=DEVICE)
+    for _ in range(2):
+        began = time.perf_counter()
+        stream = stream_tokens(model, prompt, new_tokens, top_k=1, cuda_graph=cuda_graph)
+        next(stream).item()  # prefill (and the graph's capture)
+        first = time.perf_counter()
+        for token in stream:
+            token.item()
+        done = time.perf_counter()
+    return dict(tokens_per_s=(new_tokens - 1) / (done - first), prefill_s=first - began)
+
+
+def generation(contexts: list[int], new_tokens: int, preset: str) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    for attention in ("nsa", "dense"):
+        config = model_preset(preset, attention=attention,
+                              max_seq_len=max(contexts) + new_tokens)
+        torch.manual_seed(0)
+        model = LanguageModel(config).to(DEVICE, dtype).eval()
+        for context in contexts:
+            for cuda_graph in (False, True) if CUDA else (False,):
+                rate = decoding_speed(model, cuda_graph, context, new_tokens)
+                rows.append(dict(model=preset, attention=attention, context=context,
+                                 cuda_graph=cuda_graph, **rate))
+                print(f"| {preset} {attention} | {context} | {cuda_graph} | "
+                      f"{rate['tokens_per_s']:,.1f} | {rate['prefill_s']:.2f} |", flush=True)
+        del model
+        if CUDA:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def targets(results: dict) -> list[dict]:
+    """The issue's targets from this run's numbers: (name, value, goal, met)."""
+    steps, copy = results["steps"], results["copy_GBps"]
+
+    def best(T, B, prefix):
+        rows = [r for r in steps if r["T"] == T and r["B"] == B and r["impl"].startswith(prefix)]
+        return min(rows, key=lambda r: r["ms"]) if rows else None
+
+    out = []
+    nsa, dense = best(65536, 16, "nsa-triton"), best(65536, 16, "sdpa")
+    if nsa and dense:
+        out.append(dict(target="64k B=16: best dense / NSA", value=dense["ms"] / nsa["ms"],
+                        goal=">= 8", met=dense["ms"] / nsa["ms"] >= 8))
+    for T in (32768, 65536, 131072):
+        nsa = best(T, 16, "nsa-triton")
+        if nsa:
+            share = nsa["GBps"] / copy
+            out.append(dict(target=f"{T // 1024}k B=16: share of copy bandwidth", value=share,
+                            goal=">= 0.5", met=share >= 0.5))
+    nsa = best(65536, 1, "nsa-triton")
+    if nsa:
+        out.append(dict(target="64k B=1: µs per layer step (attention)", value=1e3 * nsa["ms"],
+                        goal="<= 25", met=1e3 * nsa["ms"] <= 25))
+    rate = {(r["attention"], r["context"]): r["tokens_per_s"]
+            for r in results["generation"] if r["cuda_graph"] == CUDA}
+    for context, goal in ((32768, 3.0), (2048, 1.0)):
+        if ("nsa", context) in rate and ("dense", context) in rate:
+            ratio = rate["nsa", context] / rate["dense", context]
+            out.append(dict(target=f"generation at {context // 1024}k: NSA / dense tokens/s",
+                            value=ratio, goal=f">= {goal:g}", met=ratio >= goal))
+    return out
 
 
 def main(argv=None):
@@ -109,31 +209,47 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--heads", default="64,4")
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--gen-contexts", default="2048,8192,32768")
+    parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes and the tiny model: the code paths, on a CPU too")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args(argv)
+    params, preset = PARAMS, "m7c-125m"
+    if args.smoke:
+        params, preset = NSAParams(cmp_block=16, cmp_stride=8, sel_block=16, num_selected=4,
+                                   window=32), "tiny"
+        args.contexts, args.batches, args.heads, args.dim = "256", "1,2", "4,2", 32
+        args.gen_contexts, args.new_tokens = "32,64", 4
     HQ, H = (int(x) for x in args.heads.split(","))
     copy = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, HQ={HQ}, H={H}, "
-          f"D={args.dim}, device-to-device copy {copy:,.0f} GB/s")
-    print("| T | B | impl | step ms | MB read | GB/s | % of copy |")
-    print("|---|---|---|---|---|---|---|")
-    results = {"copy_GBps": copy, "steps": [], "generation": []}
+    name = torch.cuda.get_device_name() if CUDA else "CPU"
+    print(f"# {name}, torch {torch.__version__}, HQ={HQ}, H={H}, D={args.dim}, "
+          f"device-to-device copy {copy:,.0f} GB/s")
+    print("| T | B | impl | step ms | MB read | GB/s | % of copy | kernels µs |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = {"device": name, "copy_GBps": copy, "steps": [], "generation": []}
     for T in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            for r in measure_step(T, B, HQ, H, args.dim):
+            for r in measure_step(T, B, HQ, H, args.dim, params):
                 results["steps"].append(r)
+                kernels = " / ".join(f"{us:.1f}" for us in r.get("kernels_us", {}).values())
                 print(f"| {T} | {B} | {r['impl']} | {r['ms']:.3f} | {r['bytes'] / 1e6:.1f} | "
-                      f"{r['GBps']:,.0f} | {100 * r['GBps'] / copy:.0f}% |", flush=True)
-            torch.cuda.empty_cache()
+                      f"{r['GBps']:,.0f} | {100 * r['GBps'] / copy:.0f}% | {kernels} |",
+                      flush=True)
+            if CUDA:
+                torch.cuda.empty_cache()
     if args.generate:
-        print("\n| model | CUDA graph | tokens/s (B=1, prompt 128, 256 new) |\n|---|---|---|")
-        for attention in ("nsa", "dense"):
-            for cuda_graph in (False, True):
-                rate = generation_speed(attention, cuda_graph, 128, 256)
-                results["generation"].append(dict(attention=attention, cuda_graph=cuda_graph,
-                                                  tokens_per_s=rate))
-                print(f"| m7c-125m {attention} | {cuda_graph} | {rate:,.1f} |", flush=True)
+        print(f"\n| model | context | CUDA graph | decoding tokens/s (B=1, {args.new_tokens} "
+              f"new) | prefill s |\n|---|---|---|---|---|")
+        results["generation"] = generation(
+            [int(x) for x in args.gen_contexts.split(",")], args.new_tokens, preset)
+    results["targets"] = targets(results)
+    if results["targets"]:
+        print("\n| target | this run | goal | met |\n|---|---|---|---|")
+        for t in results["targets"]:
+            print(f"| {t['target']} | {t['value']:.3g} | {t['goal']} | {t['met']} |")
     if args.out:
         with open(os.path.join(args.out, "decode.json"), "w") as f:
             json.dump(results, f, indent=1)

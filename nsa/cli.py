@@ -183,13 +183,19 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                                top_k=args.top_k, top_p=args.top_p, generator=generator,
                                cuda_graph=args.cuda_graphs and device.type == "cuda"):
         ids.append(int(token[0]))
+        if len(ids) == 1:  # the prompt is prefilled (and a CUDA graph captured)
+            first = time.perf_counter()
         decoded = tokenizer.decode(ids)  # whole text: multi-byte characters come out whole
         sys.stdout.write(decoded[len(shown):])
         sys.stdout.flush()
         shown = decoded
-    elapsed = time.perf_counter() - began
-    print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:,.1f} tokens/s]",
-          file=sys.stderr)
+    done = time.perf_counter()
+    elapsed = done - began
+    decoding = (f", then {(len(ids) - 1) / (done - first):,.1f} tokens/s decoding"
+                if len(ids) > 1 else "")
+    print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:,.1f} tokens/s; "
+          f"prompt of {min(prompt.shape[1], config.model.max_seq_len)} tokens prefilled in "
+          f"{first - began:.2f} s{decoding}]", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nsa.ops.attention import _resolve_backend, _scale
-from nsa.ops.params import LOG2E, NSAParams, compressed_lengths
+from nsa.ops.params import NSAParams, compressed_lengths
 from nsa.ops.torch_backend import _compute_dtype, masked_attention, top_blocks
 
 
@@ -111,23 +111,6 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
     return out, read
 
 
-DECODE_CHUNK = 512  # fewest compressed tokens one program of the Triton compressed pass takes
-DECODE_BLOCK_N = 64  # keys per step of the Triton kernels
-
-
-def merge_partials(m, l, acc, exp_scale):
-    """Softmax partials of splits -> (output, log-sum-exp in the kernels' score units, see
-    ``nsa.ops.triton.common``): m, l [B, HQ, S] (running max score and sum), acc
-    [B, HQ, S, Dv] (unnormalised); splits with no key have m = -inf."""
-    m_max = m.amax(-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m_max), m_max, torch.zeros_like(m_max))
-    weight = torch.exp2((m - m_safe) * exp_scale)  # [B, HQ, S]; 0 for empty splits
-    total = (l * weight).sum(-1)  # [B, HQ]
-    out = (acc * weight[..., None]).sum(-2) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, m_safe[..., 0] + torch.log2(total) / exp_scale, float("inf"))
-    return out, lse
-
-
 def block_scores_from(p: torch.Tensor, num_blocks: int, params: NSAParams) -> torch.Tensor:
     """Group block scores [B, H, NB] from compressed probabilities p [B, H, C] (spec):
     score_j = Σ_i p_i · |[i·d, i·d + l) ∩ [j·l', (j+1)·l')| / l. Every block sees the same
@@ -153,16 +136,11 @@ def select_from_probs(p: torch.Tensor, pos: torch.Tensor, capacity: int,
 
 def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale: float, *,
                       k_win=None, v_win=None, window_ring=False):
-    """:func:`nsa_decode` with Triton kernels (CUDA tensors, or the Triton interpreter); the
-    scale and parameters as :func:`nsa_decode` passes them (validated, ``within`` the cache)."""
-    import triton
+    """:func:`nsa_decode` with the Triton kernels of ``nsa.ops.triton.decode`` (CUDA tensors,
+    or the Triton interpreter): three launches, no host sync. The scale and parameters as
+    :func:`nsa_decode` passes them (validated, ``within`` the cache)."""
+    from nsa.ops.triton.decode import decode_forward
 
-    from nsa.ops.triton.decode import _decode_cmp_kernel, _decode_sparse_kernel
-    from nsa.ops.triton.launch import num_sms
-
-    B, HQ, Dk = q.shape
-    S, H, Dv, C = k.shape[1], k.shape[2], v.shape[-1], k_cmp.shape[1]
-    G = HQ // H
     k_win = k if k_win is None else k_win
     v_win = v if v_win is None else v_win
     cache = (k, v, k_cmp, v_cmp, k_win, v_win)
@@ -171,52 +149,10 @@ def nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scal
                          f"{[str(x.dtype) for x in cache]}")
     # Products in the cache's dtype (as the PyTorch path): a query from bf16 autocast meets a
     # float32 cache, or the reverse. The output keeps the query's dtype.
-    out_dtype = q.dtype
-    q = q.to(k.dtype)
-    q, k, v, k_cmp, v_cmp, k_win, v_win = (x.contiguous() for x in (q, *cache))
-    pos = pos.contiguous()
-    f32 = dict(dtype=torch.float32, device=q.device)
-    pow2 = lambda x: max(16, triton.next_power_of_2(x))  # noqa: E731
-    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_G=pow2(G), BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-                IEEE=k.dtype == torch.float32)
-    scale_log2 = scale * LOG2E
-    exp_scale = max(scale_log2, 1.0)  # as exp_scale(scale_log2) in the kernels
-    # Compressed branch: enough splits to give every SM work, of at least DECODE_CHUNK tokens.
-    splits = max(1, min(triton.cdiv(C, DECODE_CHUNK), triton.cdiv(2 * num_sms(q.device),
-                                                                   B * H)))
-    chunk = triton.cdiv(max(C, 1), splits * DECODE_BLOCK_N) * DECODE_BLOCK_N
-    splits = triton.cdiv(max(C, 1), chunk)
-    scores = torch.empty(B, HQ, max(C, 1), **f32)
-    m, l, acc = (torch.empty(B, HQ, splits, **f32), torch.empty(B, HQ, splits, **f32),
-                 torch.empty(B, HQ, splits, Dv, **f32))
-    _decode_cmp_kernel[(B * H, splits)](
-        q, k_cmp, v_cmp, pos, scores, m, l, acc, q.stride(0), q.stride(1),
-        *k_cmp.stride()[:3], *v_cmp.stride()[:3], scores.stride(0), scores.stride(1),
-        m.stride(0), m.stride(1), *acc.stride()[:3], H, chunk, scale_log2,
-        BLOCK_N=DECODE_BLOCK_N, CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride, **meta)
-    o_cmp, lse = merge_partials(m, l, acc, exp_scale)  # [B, HQ, Dv], [B, HQ]
-    visible = torch.arange(scores.shape[-1], device=q.device) < visible_compressed(pos, params)[
-        :, None, None]
-    p = torch.where(visible, torch.exp2((scores - lse[..., None]) * exp_scale), 0.0)[..., :C]
-    idx = select_from_probs(p.view(B, H, G, C).sum(2), pos, S, params)  # [B, H, n]
-    # Selected blocks and window chunks, one split each.
-    block_s = max(16, triton.next_power_of_2(params.sel_block))
-    win_splits = triton.cdiv(min(params.window, k_win.shape[1]), block_s)
-    n = params.num_selected
-    m, l, acc = (torch.empty(B, HQ, n + win_splits, **f32),
-                 torch.empty(B, HQ, n + win_splits, **f32),
-                 torch.empty(B, HQ, n + win_splits, Dv, **f32))
-    _decode_sparse_kernel[(B * H, n + win_splits)](
-        q, k, v, k_win, v_win, idx, pos, m, l, acc, q.stride(0), q.stride(1),
-        *k.stride()[:3], *v.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        idx.stride(0), idx.stride(1), m.stride(0), m.stride(1), *acc.stride()[:3],
-        H, scale_log2, BLOCK_S=block_s, NUM_SELECTED=n, SEL_BLOCK=params.sel_block,
-        WINDOW=params.window, WINDOW_RING=window_ring, **meta)
-    o_slc, _ = merge_partials(m[..., :n], l[..., :n], acc[..., :n, :], exp_scale)
-    o_win, _ = merge_partials(m[..., n:], l[..., n:], acc[..., n:, :], exp_scale)
-    g = gates.float()
-    out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-    return out.to(out_dtype)
+    q_cache, k, v, k_cmp, v_cmp, k_win, v_win, gates, pos = (
+        x.contiguous() for x in (q.to(k.dtype), *cache, gates, pos))
+    return decode_forward(q_cache, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params, scale,
+                          window_ring, out_dtype=q.dtype)
 
 
 def tokens_read(pos: torch.Tensor, params: NSAParams) -> torch.Tensor:

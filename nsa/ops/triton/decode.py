@@ -1,120 +1,509 @@
-"""Triton kernels for one NSA decode step (one query per sequence), split across thread blocks
-so that a batch of one still fills the GPU (flash-decoding style partials, merged after).
+"""One NSA decode step (one query per sequence against a KV cache) in three Triton kernels, with
+no PyTorch op and no host sync between them: kernels, then the launch plan and wrapper.
 
-* ``_decode_cmp_kernel``: program (b·H + h, split) attends the G query heads of KV head h to
-  one chunk of the visible compressed tokens; it writes the chunk's softmax partials and the
-  raw (base-2) scores, from which the block scores are computed without reading keys again.
-* ``_decode_sparse_kernel``: program (b·H + h, j) attends to selected block j (j < n) or to
-  window chunk j - n; it writes that split's softmax partials.
-Each kernel reads only the tokens the spec counts: masked loads never touch the rest.
+A step's work per (sequence b, KV head h) is reading the visible compressed tokens (~pos/d of
+them), choosing n selection blocks from their probabilities, and reading the n·l' selected and
+the w window tokens. Every read is split across programs (flash-decoding partials), so that a
+batch of one fills the GPU, and every merge of partials runs in a fixed order: a step is
+deterministic, bit for bit. Rows of every tile are the G query heads of a KV head (or a slice
+of GS of them), so keys are loaded once per group.
+
+1. ``_compressed_kernel``, grid (B·H, S1). Program s takes an equal share of the tiles of its
+   sequence (a tile: TB selection blocks, i.e. the TB·l'/d compressed tokens that start in
+   them, plus the K - 1 = l/d - 1 tokens before it that reach into its first block, whose
+   keys only are read). Reads q and the visible compressed K, V once. Writes per tile and head
+   the block-score partials ``p @ W`` (``BLK``; W: the spec's overlap weights
+   |[i·d, i·d + l) ∩ block| / l) in units of the tile's own maximum (``REF``), and per
+   program and head the softmax partial (m, l, acc [Dv]). No score per token is written.
+2. ``_select_kernel``, grid (B·H, NS2 + NGS·(1 + P_WIN)), three kinds of program:
+   * selection tile j < NS2: the group score of BJ blocks (the G heads' partials, each scaled
+     to its head's softmax: exp2(REF - max) / sum, from the S1 partials), the forced blocks,
+     and the tile's top NSEL_PAD as int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)``
+     (larger score first, ties to the lower index) into ``CAND``; tile 0 also zeroes the
+     (b, h) tickets of kernel 3;
+   * per slice of GS heads, the compressed merge: g_cmp·o_cmp from the S1 partials (``BASE``);
+   * per slice, P_WIN window items: a range of the window's tokens, a softmax partial.
+   The window does not depend on the selection: it streams from HBM while the selection
+   programs, which read little, sort.
+3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program merges the candidate lists of
+   (b, h) into the selection in one top-k (the same few hundred keys in every program: cheaper
+   than another pass), reads its share of the selected blocks' tokens (laid end to end in
+   ascending order) for its GS heads and writes a softmax partial. The last program of
+   (b, h, slice) to finish (an atomic ticket, acq_rel after a CTA barrier) merges the selected
+   and the window partials in item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+
+Launch shapes (``decode_plan``). Bytes per step per (b, h), bf16, D = 128 (512 B a token):
+compressed ≈ 512·pos/16 (2.1 MB at 64k), selected n·l' = 1024 tokens (0.5 MB), window 512
+tokens (0.26 MB). A partial is G·Dv·4 B (8 KB for G = 16): a program should read many times
+that, and a merge in one program should read few of them (one SM pulls ~100 GB/s: 100 KB is
+~1 µs). Hence, on an H200 (132 SMs) with H = 4, G = 16, paper parameters:
+* kernel 1: tiles of 64 compressed tokens (32 KB of K, V), or 32 / 16 when B·H·tiles would be
+  fewer than 2 programs per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), evened so no program is
+  idle. B = 1, 64k: 64 programs of two 32-token tiles per head (256); B = 16: 8 programs of
+  eight 64-token tiles (512; partials are 3 % of what they read).
+* kernels 2 and 3: 64-token tiles; items of one tile, or of ⌊B·H·tiles / (2·SMs)⌋ tiles
+  (evened) once B·H·tiles reaches 2 programs per SM; the G heads cut into NGS ≤ 4 slices
+  while there are fewer selected items than SMs. B = 1, 64k: 4 slices of 4 heads, 16 selected
+  items of 64 tokens (256 programs), 8 window items per slice, and each final merge reads 24
+  partials of 2 KB; B = 16: 4 selected items of 256 tokens, 2 window items, one slice.
+* kernel 2: BJ = 128 blocks per selection tile (NS2 = 8 at 64k).
+Measured offline (sm_90 compile, no GPU here): 204 / 106 / 204 registers and 87 / 72 / 72 KB
+of shared memory (cp.async pipelined) at B = 16, so two programs of kernel 1 fit per SM.
+``PDL`` (sm90+): each kernel waits on the previous one (griddepcontrol.wait) before touching
+memory and lets the next one launch once its own work is issued, so launches overlap.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nsa.ops.triton.common import load_tile, masked_scores, softmax_step, store_tile
+from nsa.ops.params import LOG2E, NSAParams
+from nsa.ops.triton.common import exp_scale, load_tile, masked_scores, softmax_step, store_tile
+from nsa.ops.triton.launch import num_sms, pow2
+
+MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
 
 
 @triton.jit
-def _group_rows(Q, stride_qb, stride_qh, H, G: tl.constexpr, DK: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr):
-    """(b, h, query heads hq [BLOCK_G], row mask, q [BLOCK_G, BLOCK_DK]) of this program."""
-    pid_bh = tl.program_id(0)
+def _fold(m, l, acc, m_i, l_i, acc_i, scale_log2):
+    """Merge the softmax partial (m_i, l_i, acc_i) into (m, l, acc); empty ones have m = -inf."""
+    c = exp_scale(scale_log2)
+    m_new = tl.maximum(m, m_i)
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m - safe) * c)
+    beta = tl.exp2((m_i - safe) * c)
+    return m_new, l * alpha + l_i * beta, acc * alpha[:, None] + acc_i * beta[:, None]
+
+
+@triton.jit
+def _lse_parts(M_ROWS, L_ROWS, row_ok, count, scale_log2, PAD: tl.constexpr):
+    """(max, 1 / sum) of the softmax whose ``count`` partials start at M_ROWS / L_ROWS [rows];
+    1 / sum is 0 for rows that saw no key."""
+    s = tl.arange(0, PAD)
+    ok = row_ok[:, None] & (s < count)[None, :]
+    m = tl.load(M_ROWS[:, None] + s[None, :], mask=ok, other=float("-inf"))
+    l = tl.load(L_ROWS[:, None] + s[None, :], mask=ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.sum(l * tl.exp2((m - safe[:, None]) * exp_scale(scale_log2)), axis=1)
+    return safe, tl.where(total > 0, 1.0 / total, 0.0)
+
+
+@triton.jit
+def _head_rows(pid_bhs, H, G: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """(b, h, slice, query heads [BLOCK_R], row mask) of program (b·H + h)·NGS + slice."""
+    gs = pid_bhs % NGS
+    pid_bh = pid_bhs // NGS
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    g = tl.arange(0, BLOCK_G)
-    row_ok = g < G
-    hq = h * G + g
-    q = load_tile(Q + b * stride_qb + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    return b, h, hq, row_ok, q
+    r = tl.arange(0, BLOCK_R)
+    g = gs * GS + r
+    return b, h, gs, h * G + g, (r < GS) & (g < G)
 
 
 @triton.jit
-def _store_partials(M, L, ACC, b, hq, split, row_ok, m, l, acc, stride_mb, stride_mh,
-                    stride_ab, stride_ah, stride_as, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    tl.store(M + b * stride_mb + hq * stride_mh + split, m, mask=row_ok)
-    tl.store(L + b * stride_mb + hq * stride_mh + split, l, mask=row_ok)
-    store_tile(ACC + b * stride_ab + hq * stride_ah + split * stride_as, acc, row_ok, DV,
-               BLOCK_DV)
+def _store_partial(P_M, P_L, P_ACC, rows, count, item, row_ok, m, l, acc, DV: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """Partial ``item`` of rows (b·HQ + hq) in buffers of ``count`` partials per row."""
+    at = rows * count + item
+    tl.store(P_M + at, m, mask=row_ok)
+    tl.store(P_L + at, l, mask=row_ok)
+    store_tile(P_ACC + at * DV, acc, row_ok, DV, BLOCK_DV)
 
 
 @triton.jit
-def _decode_cmp_kernel(
-    Q, KC, VC, POS, SCORES, M, L, ACC,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_sb, stride_sh, stride_mb, stride_mh, stride_ab, stride_ah, stride_as,
-    H, chunk, scale_log2,
+def _compressed_kernel(
+    Q, KC, VC, POS, PART_M, PART_L, PART_ACC, BLK, REF,
+    H, C, NB, NT, S1, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TB: tl.constexpr, TB_PAD: tl.constexpr,
+    TOK: tl.constexpr, TOK_PAD: tl.constexpr, PRE: tl.constexpr, PRE_PAD: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    b, h, hq, row_ok, q = _group_rows(Q, stride_qb, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK)
+    if PDL:
+        gdc_wait()
+    b, h, _, hq, row_ok = _head_rows(tl.program_id(0), H, G, G, 1, BLOCK_G)
     split = tl.program_id(1)
+    rows = b * H * G + hq  # [BLOCK_G] row of (b, hq) in the [B, HQ, ...] buffers
+    q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     pos = tl.load(POS + b)
     visible = tl.where(pos >= CMP_BLOCK - 1, (pos - CMP_BLOCK + 1) // CMP_STRIDE + 1, 0)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, visible)
+    tiles = (pos // SEL_BLOCK) // TB + 1  # every block <= pos's gets its score written
+    per_split = tl.cdiv(tiles, S1)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, tiles)
+    # Overlap (/ l) of the tile's own token a, and of prefix token a (PRE before the tile),
+    # with block c of the tile: the same for every tile.
+    a = tl.arange(0, TOK_PAD)
+    c = tl.arange(0, TB_PAD)
+    lo = (a * CMP_STRIDE)[:, None]
+    hi = tl.minimum(lo + CMP_BLOCK, ((c + 1) * SEL_BLOCK)[None, :])
+    w_own = tl.maximum(hi - tl.maximum(lo, (c * SEL_BLOCK)[None, :]), 0).to(tl.float32)
+    w_own = tl.where((a < TOK)[:, None] & (c < TB)[None, :], w_own / CMP_BLOCK, 0.0)
+    ap = tl.arange(0, PRE_PAD)
+    lo = ((ap - PRE) * CMP_STRIDE)[:, None]
+    hi = tl.minimum(lo + CMP_BLOCK, ((c + 1) * SEL_BLOCK)[None, :])
+    w_pre = tl.maximum(hi - tl.maximum(lo, (c * SEL_BLOCK)[None, :]), 0).to(tl.float32)
+    w_pre = tl.where((ap < PRE)[:, None] & (c < TB)[None, :], w_pre / CMP_BLOCK, 0.0)
+    c_exp = exp_scale(scale_log2)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        k_ok = s < hi
-        s64 = s.to(tl.int64)
-        k = load_tile(KC + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-        v = load_tile(VC + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-        scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
-        tl.store(SCORES + b * stride_sb + hq[:, None] * stride_sh + s64[None, :], scores,
-                 mask=row_ok[:, None] & k_ok[None, :])
-        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
-    _store_partials(M, L, ACC, b, hq, split, row_ok, m, l, acc, stride_mb, stride_mh,
-                    stride_ab, stride_ah, stride_as, DV, BLOCK_DV)
+    for t in range(t_lo, t_hi):
+        i = t * TOK + a
+        ok = (a < TOK) & (i < visible)
+        at = ((b * C + i) * H + h) * DK
+        k = load_tile(KC + at, ok, DK, BLOCK_DK)
+        v = load_tile(VC + ((b * C + i) * H + h) * DV, ok, DV, BLOCK_DV)
+        s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
+        m_t = tl.max(s, axis=1)
+        if PRE > 0:
+            ip = t * TOK - PRE + ap
+            ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
+            kp = load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK)
+            s_p = masked_scores(q, kp, ok_p[None, :], scale_log2, IEEE)
+            m_t = tl.maximum(m_t, tl.max(s_p, axis=1))
+        ref = tl.where(m_t == float("-inf"), 0.0, m_t)
+        p = tl.exp2((s - ref[:, None]) * c_exp)
+        blk = tl.dot(p, w_own, input_precision="ieee")
+        if PRE > 0:
+            blk += tl.dot(tl.exp2((s_p - ref[:, None]) * c_exp), w_pre, input_precision="ieee")
+        j = t * TB + c
+        tl.store(BLK + rows[:, None] * NB + j[None, :], blk,
+                 mask=row_ok[:, None] & ((c < TB) & (j < NB))[None, :])
+        tl.store(REF + rows * NT + t, m_t, mask=row_ok)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        m, l, acc = _fold(m, l, acc, m_t, tl.sum(p, axis=1), pv, scale_log2)
+    _store_partial(PART_M, PART_L, PART_ACC, rows, S1, split, row_ok, m, l, acc, DV, BLOCK_DV)
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
-def _decode_sparse_kernel(
-    Q, K, V, KW, VW, IDX, POS, M, L, ACC,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_wkb, stride_wkt, stride_wkh, stride_wvb, stride_wvt, stride_wvh,
-    stride_ib, stride_ih, stride_mb, stride_mh, stride_ab, stride_ah, stride_as,
-    H, scale_log2,
+def _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, j, pos, H, NB, NT, S1, NS2,
+                 NGS, scale_log2, G: tl.constexpr, BLOCK_G: tl.constexpr, S1_PAD: tl.constexpr,
+                 BJ: tl.constexpr, TB: tl.constexpr, NSEL_PAD: tl.constexpr,
+                 SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr):
+    """Candidate keys of blocks [j·BJ, (j+1)·BJ): the local top NSEL_PAD, descending."""
+    g = tl.arange(0, BLOCK_G)
+    row_ok = g < G
+    rows = b * H * G + h * G + g
+    m_max, inv_sum = _lse_parts(PART_M + rows * S1, PART_L + rows * S1, row_ok, S1, scale_log2,
+                                S1_PAD)
+    current = pos // SEL_BLOCK
+    block = j * BJ + tl.arange(0, BJ)
+    candidate = block <= current
+    ok = row_ok[:, None] & candidate[None, :]
+    part = tl.load(BLK + rows[:, None] * NB + block[None, :], mask=ok, other=0.0)
+    ref = tl.load(REF + rows[:, None] * NT + (block // TB)[None, :], mask=ok,
+                  other=float("-inf"))
+    weight = tl.exp2((ref - m_max[:, None]) * exp_scale(scale_log2)) * inv_sum[:, None]
+    score = tl.sum(part * weight, axis=0)  # [BJ] group score: the G heads' shares summed
+    forced = candidate & ((block < NUM_INIT) | (block > current - NUM_LOCAL))
+    bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
+    key = (bits.to(tl.int64) << 32) | (block ^ MAX_BLOCK).to(tl.int64)
+    key = tl.where(candidate, key, -1)
+    top = tl.topk(key, NSEL_PAD)
+    tl.store(CAND + ((b * H + h) * NS2 + j) * NSEL_PAD + tl.arange(0, NSEL_PAD), top)
+    if j == 0:  # kernel 3's tickets for (b, h) start at 0
+        z = tl.arange(0, 16)
+        for z0 in range(0, NGS, 16):
+            tl.store(COUNTER + (b * H + h) * NGS + z0 + z, tl.zeros([16], tl.int32),
+                     mask=z0 + z < NGS)
+
+
+@triton.jit
+def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, scale_log2,
+                      DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      S1_PAD: tl.constexpr):
+    """BASE[rows] = g_cmp · o_cmp of (b, hq) rows from their S1 partials, in split order."""
+    m_max, inv_sum = _lse_parts(PART_M + rows * S1, PART_L + rows * S1, row_ok, S1, scale_log2,
+                                S1_PAD)
+    c = exp_scale(scale_log2)
+    out = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for split in range(0, S1):
+        m = tl.load(PART_M + rows * S1 + split, mask=row_ok, other=float("-inf"))
+        part = load_tile(PART_ACC + (rows * S1 + split) * DV, row_ok, DV, BLOCK_DV)
+        out += part * tl.exp2((m - m_max) * c)[:, None]
+    gate = tl.load(GATES + rows * 3, mask=row_ok, other=0.0).to(tl.float32)
+    store_tile(BASE + rows * DV, out * (gate * inv_sum)[:, None], row_ok, DV, BLOCK_DV)
+
+
+@triton.jit
+def _select_kernel(
+    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, CAND, COUNTER, BASE,
+    P_M, P_L, P_ACC,
+    H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, NWIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-    WINDOW_RING: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, S1_PAD: tl.constexpr, BJ: tl.constexpr,
+    TB: tl.constexpr, NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
+    NUM_LOCAL: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr, BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr, ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Split j < NUM_SELECTED: the j-th selected block (from K, V by position); otherwise window
-    chunk j - NUM_SELECTED of BLOCK_S keys (from the ring KW, VW, or from KW, VW by position)."""
-    b, h, hq, row_ok, q = _group_rows(Q, stride_qb, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK)
-    split = tl.program_id(1)
+    """Selection tiles, then per slice of GS heads: the compressed merge, the window items."""
+    if PDL:
+        gdc_wait()
+    pid_bh = tl.program_id(0)
+    task = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
     pos = tl.load(POS + b)
-    offs = tl.arange(0, BLOCK_S)
-    if split < NUM_SELECTED:
-        block = tl.load(IDX + b * stride_ib + h * stride_ih + split)
-        key = block * SEL_BLOCK + offs
-        k_ok = (block >= 0) & (offs < SEL_BLOCK) & (key <= pos)
-        key64 = key.to(tl.int64)
-        k = load_tile(K + b * stride_kb + key64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-        v = load_tile(V + b * stride_vb + key64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    if task < NS2:
+        _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, task, pos, H, NB, NT, S1,
+                     NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ, TB, NSEL_PAD, SEL_BLOCK,
+                     NUM_INIT, NUM_LOCAL)
     else:
-        back = (split - NUM_SELECTED) * BLOCK_S + offs  # how far behind pos (positional)
-        if WINDOW_RING:
-            slot = back  # ring slot; it holds the latest position <= pos congruent to it
-            k_ok = (slot < WINDOW) & (pos - ((pos - slot) % WINDOW + WINDOW) % WINDOW >= 0)
-            row = slot.to(tl.int64)
-        else:
-            k_ok = (back < WINDOW) & (back <= pos)
-            row = (pos - back).to(tl.int64)
-        k = load_tile(KW + b * stride_wkb + row * stride_wkt + h * stride_wkh, k_ok, DK,
-                      BLOCK_DK)
-        v = load_tile(VW + b * stride_wvb + row * stride_wvt + h * stride_wvh, k_ok, DV,
-                      BLOCK_DV)
-    scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
-    _store_partials(M, L, ACC, b, hq, split, row_ok, m, l, acc, stride_mb, stride_mh,
-                    stride_ab, stride_ah, stride_as, DV, BLOCK_DV)
+        _, _, _, hq, row_ok = _head_rows(pid_bh * NGS + (task - NS2) // (1 + P_WIN), H, G, GS,
+                                         NGS, BLOCK_R)
+        rows = b * H * G + hq
+        item = (task - NS2) % (1 + P_WIN) - 1
+        if item < 0:
+            _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1,
+                              scale_log2, DV, BLOCK_R, BLOCK_DV, S1_PAD)
+        else:  # window tokens [u0, u0 + ITEM_WIN) back from pos
+            q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_R], tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+            u0 = item * ITEM_WIN
+            u_end = tl.minimum(u0 + ITEM_WIN, tl.minimum(NWIN, pos + 1))
+            for start in range(u0, u_end, CHUNK):
+                back = start + tl.arange(0, CHUNK)  # how far behind pos; in a ring, the slot
+                ok = back < u_end
+                if WINDOW_RING:
+                    row = back
+                else:
+                    row = pos - back
+                at = (b * SW + row) * H + h
+                k = load_tile(KW + at * DK, ok, DK, BLOCK_DK)
+                v = load_tile(VW + at * DV, ok, DV, BLOCK_DV)
+                s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
+                m, l, acc = softmax_step(s, m, l, acc, v, scale_log2, IEEE)
+            _store_partial(P_M, P_L, P_ACC, rows, P_SEL + P_WIN, P_SEL + item, row_ok, m, l,
+                           acc, DV, BLOCK_DV)
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, first, last, scale_log2,
+                 DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """o [rows, DV] of the softmax whose partials are items [first, last), in item order;
+    0 for rows that saw no key. Read past L1: other programs wrote them during this kernel."""
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    d = tl.arange(0, BLOCK_DV)
+    for item in range(first, last):
+        at = rows * count + item
+        m_i = tl.load(P_M + at, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_i = tl.load(P_L + at, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_i = tl.load(P_ACC + at[:, None] * DV + d[None, :],
+                        mask=row_ok[:, None] & (d < DV)[None, :], other=0.0,
+                        cache_modifier=".cg")
+        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, scale_log2)
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
+
+
+@triton.jit
+def _selected_kernel(
+    Q, K, V, POS, GATES, CAND, COUNTER, BASE, P_M, P_L, P_ACC, OUT,
+    H, S, NS2, P_SEL, P_WIN, scale_log2,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BJ: tl.constexpr, NS2_PAD: tl.constexpr, NSEL: tl.constexpr,
+    NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ITEM_SEL: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    b, h, _, hq, row_ok = _head_rows(pid, H, G, GS, NGS, BLOCK_R)
+    item = tl.program_id(1)
+    rows = b * H * G + hq
+    pos = tl.load(POS + b)
+    current = pos // SEL_BLOCK
+    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current,
+    # ascending (as the spec's index: the same selection is summed in the same order, however
+    # its blocks ranked); slots past the chosen hold MAX_BLOCK.
+    lists = tl.arange(0, NS2_PAD)
+    keys = tl.load(CAND + ((b * H + h) * NS2 + lists[:, None]) * NSEL_PAD
+                   + tl.arange(0, NSEL_PAD)[None, :],
+                   mask=(lists <= current // BJ)[:, None], other=-1)
+    if NS2_PAD == 1:
+        best = tl.reshape(keys, [NSEL_PAD])  # a list is sorted already
+    else:
+        best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
+    slot = tl.arange(0, NSEL_PAD)
+    chosen = (best >= 0) & (slot < NSEL)
+    blocks = tl.sort(tl.where(chosen, (best & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK))
+    # Tokens [u0, u0 + ITEM_SEL) of the selected blocks laid end to end (slot u // l').
+    q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    u0 = item * ITEM_SEL
+    u_end = tl.minimum(u0 + ITEM_SEL, tl.minimum(NSEL, current + 1) * SEL_BLOCK)
+    for start in range(u0, u_end, CHUNK):
+        u = start + tl.arange(0, CHUNK)
+        at_slot = (u // SEL_BLOCK)[:, None] == slot[None, :]
+        block = tl.sum(tl.where(at_slot, blocks[None, :], 0), axis=1)
+        key = block * SEL_BLOCK + u % SEL_BLOCK
+        ok = (u < u_end) & (block != MAX_BLOCK) & (key <= pos)
+        at = (b * S + key) * H + h
+        k = load_tile(K + at * DK, ok, DK, BLOCK_DK)
+        v = load_tile(V + at * DV, ok, DV, BLOCK_DV)
+        s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
+        m, l, acc = softmax_step(s, m, l, acc, v, scale_log2, IEEE)
+    count = P_SEL + P_WIN
+    _store_partial(P_M, P_L, P_ACC, rows, count, item, row_ok, m, l, acc, DV, BLOCK_DV)
+    if PDL:
+        gdc_launch_dependents()
+    # The last program of (b, h, slice) to finish merges: the barrier orders every thread's
+    # stores before the ticket (release); the ticket orders the merge's reads after (acquire).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(COUNTER + pid, 1, sem="acq_rel", scope="gpu")
+    if ticket == P_SEL - 1:
+        o_slc = _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, 0, P_SEL, scale_log2, DV,
+                             BLOCK_R, BLOCK_DV)
+        o_win = _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, P_SEL, count, scale_log2,
+                             DV, BLOCK_R, BLOCK_DV)
+        g_slc = tl.load(GATES + rows * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g_win = tl.load(GATES + rows * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+        d = tl.arange(0, BLOCK_DV)
+        base = tl.load(BASE + rows[:, None] * DV + d[None, :],
+                       mask=row_ok[:, None] & (d < DV)[None, :], other=0.0)
+        out = base + g_slc[:, None] * o_slc + g_win[:, None] * o_win
+        store_tile(OUT + rows * DV, out, row_ok, DV, BLOCK_DV)
+
+
+# Launch plan and wrapper --------------------------------------------------------------------
+
+FILL = 2  # programs per SM the compressed and the selected passes should reach at B = 1
+SPLITS_PER_SM = 4  # compressed programs per SM at large B·H (each loops over its tiles)
+MAX_SPLITS = 64  # compressed programs per (b, h): a merge reads S1 partials of its heads
+MAX_HEAD_SLICES = 4  # G cut into at most this many slices (each re-reads the same keys)
+BLOCK_TILE = 128  # blocks one selection program scores
+TILE = 64  # tokens per step of the selected and window loops
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shapes of one decode step (see the module docstring)."""
+
+    tile_blocks: int  # TB: selection blocks per compressed tile
+    splits: int  # S1: compressed programs per (b, h)
+    block_tile: int  # BJ: blocks per selection program
+    select_tiles: int  # NS2: selection programs per (b, h)
+    head_slices: int  # NGS: slices of the G heads in the selected and window items
+    selected_items: int  # P_SEL
+    selected_item_tokens: int
+    window_items: int  # P_WIN
+    window_item_tokens: int
+
+
+def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAParams,
+                sms: int) -> DecodePlan:
+    """Launch shapes for B sequences of capacity S on a device of ``sms`` SMs."""
+    fill = FILL * sms
+    R = params.sel_block // params.cmp_stride  # compressed tokens starting in one block
+    num_blocks = -(-S // params.sel_block)
+    for tokens in (64, 32, 16):  # the largest tile that still fills the GPU
+        tile_blocks = max(1, tokens // R)
+        tiles = -(-num_blocks // tile_blocks)
+        if B * H * tiles >= fill:
+            break
+    splits = min(tiles, -(-SPLITS_PER_SM * sms // (B * H)), MAX_SPLITS)
+    splits = -(-tiles // -(-tiles // splits))  # as many as have tiles at full capacity
+    block_tile = max(pow2(params.num_selected, 2), min(BLOCK_TILE, pow2(num_blocks, 1)))
+    sel_tiles = -(-params.num_selected * params.sel_block // TILE)
+    win_tiles = -(-window_tokens // TILE)
+    per_item = max(1, B * H * (sel_tiles + win_tiles) // fill)
+    selected_items, window_items = -(-sel_tiles // per_item), -(-win_tiles // per_item)
+    head_slices = 1
+    while B * H * head_slices * selected_items < sms and head_slices < min(G, MAX_HEAD_SLICES):
+        head_slices *= 2
+    head_slices = -(-G // -(-G // head_slices))  # no empty slice
+    return DecodePlan(
+        tile_blocks=tile_blocks, splits=splits, block_tile=block_tile,
+        select_tiles=-(-num_blocks // block_tile), head_slices=head_slices,
+        selected_items=selected_items,
+        selected_item_tokens=-(-sel_tiles // selected_items) * TILE,
+        window_items=window_items, window_item_tokens=-(-win_tiles // window_items) * TILE)
+
+
+@functools.cache
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: on sm90+ GPUs, unless NSA_DECODE_PDL=0."""
+    from nsa.ops.triton_support import DECODE_PDL
+
+    return (DECODE_PDL and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAParams,
+                   scale: float, window_ring: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """[B, HQ, Dv] output of one decode step, in ``out_dtype``. Tensors contiguous, in one
+    dtype (gates any float dtype); q [B, HQ, Dk], k/v [B, S, H, D], k_cmp/v_cmp [B, C, H, D],
+    k_win/v_win [B, SW, H, D] (SW = S by position, or a ring of SW slots), pos [B] int64."""
+    B, HQ, Dk = q.shape
+    S, H, Dv, C, SW = k.shape[1], k.shape[2], v.shape[-1], k_cmp.shape[1], k_win.shape[1]
+    G = HQ // H
+    window_tokens = SW if window_ring else min(params.window, S)
+    plan = decode_plan(B, H, G, S, window_tokens, params, num_sms(q.device))
+    R, K = params.sel_block // params.cmp_stride, params.cmp_block // params.cmp_stride
+    TB = plan.tile_blocks
+    NB = -(-S // params.sel_block)
+    NT = -(-NB // TB)
+    S1, NS2, NGS = plan.splits, plan.select_tiles, plan.head_slices
+    P_SEL, P_WIN = plan.selected_items, plan.window_items
+    nsel_pad = pow2(params.num_selected, 2)
+    GS = -(-G // NGS)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_m, part_l = torch.empty(B, HQ, S1, **f32), torch.empty(B, HQ, S1, **f32)
+    part_acc = torch.empty(B, HQ, S1, Dv, **f32)
+    blk, ref = torch.empty(B, HQ, NB, **f32), torch.empty(B, HQ, NT, **f32)
+    cand = torch.empty(B, H, NS2, nsel_pad, dtype=torch.int64, device=q.device)
+    counter = torch.empty(B, H, NGS, dtype=torch.int32, device=q.device)
+    base = torch.empty(B, HQ, Dv, **f32)
+    p_m, p_l = torch.empty(B, HQ, P_SEL + P_WIN, **f32), torch.empty(B, HQ, P_SEL + P_WIN, **f32)
+    p_acc = torch.empty(B, HQ, P_SEL + P_WIN, Dv, **f32)
+    out = torch.empty(B, HQ, Dv, dtype=out_dtype, device=q.device)
+    pdl = use_pdl(q.device)
+    launch = dict(launch_pdl=True) if pdl else {}
+    shared = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
+                  IEEE=k.dtype == torch.float32, PDL=pdl)
+    rows = dict(GS=GS, NGS=NGS, BLOCK_R=pow2(GS), CHUNK=TILE)
+    scale_log2 = scale * LOG2E
+    _compressed_kernel[(B * H, S1)](
+        q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref,
+        H, C, NB, NT, S1, scale_log2,
+        BLOCK_G=pow2(G), TB=TB, TB_PAD=pow2(TB), TOK=TB * R, TOK_PAD=pow2(TB * R), PRE=K - 1,
+        PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
+        SEL_BLOCK=params.sel_block, **shared, **launch)
+    _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
+        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, cand, counter, base,
+        p_m, p_l, p_acc,
+        H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, window_tokens, scale_log2,
+        BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, TB=TB, NSEL_PAD=nsel_pad,
+        SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,
+        ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring, **rows, **shared, **launch)
+    _selected_kernel[(B * H * NGS, P_SEL)](
+        q, k, v, pos, gates, cand, counter, base, p_m, p_l, p_acc, out,
+        H, S, NS2, P_SEL, P_WIN, scale_log2,
+        BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), NSEL=params.num_selected, NSEL_PAD=nsel_pad,
+        SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens, **rows, **shared,
+        **launch)
+    return out
