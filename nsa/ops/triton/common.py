@@ -52,6 +52,13 @@ def exp_scale(scale_log2):
 
 
 @triton.jit
+def compressed_count(length, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """Compressed tokens of a sequence of ``length`` tokens (NSA_SPEC.md: Tc); a query at
+    position p sees the first compressed_count(p + 1)."""
+    return tl.where(length >= CMP_BLOCK, (length - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+
+
+@triton.jit
 def masked_scores(q, k, valid, scale_log2, IEEE: tl.constexpr):
     """Scores [rows, keys] of q against k in the units above; -inf where not ``valid``."""
     return tl.where(valid, dot(q, tl.trans(k), IEEE) * score_scale(scale_log2), float("-inf"))

@@ -26,6 +26,7 @@ from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import (
     add_tile,
     attend_tile,
+    compressed_count,
     dkdv_tile,
     dq_tile,
     load_tile,
@@ -51,7 +52,7 @@ def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
     pos = tl.load(tok_pos + t, mask=row_ok, other=0)
     if MODE == 0:
         cstart = tl.load(tok_cmp_start + t, mask=row_ok, other=0)
-        nvis = tl.where(pos >= CMP_BLOCK - 1, (pos - (CMP_BLOCK - 1)) // CMP_STRIDE + 1, 0)
+        nvis = compressed_count(pos + 1, CMP_BLOCK, CMP_STRIDE)
         lo = cstart
         hi = cstart + nvis
     else:

@@ -6,7 +6,9 @@ them), choosing n selection blocks from their probabilities, and reading the n·
 the w window tokens. Every read is split across programs (flash-decoding partials), so that a
 batch of one fills the GPU, and every merge of partials runs in a fixed order: a step is
 deterministic, bit for bit. Rows of every tile are the G query heads of a KV head (or a slice
-of GS of them), so keys are loaded once per group.
+of GS of them), so keys are loaded once per group. Every key and value load is masked to the
+tokens the spec counts, the rest load as 0, so no tile needs the finite-part products of the
+training kernels (common.py, Masks): a NaN past ``pos`` is never read.
 
 1. ``_compressed_kernel``, grid (B·H, S1). Program s takes an equal share of the tiles of its
    sequence (a tile: TB selection blocks, i.e. the TB·l'/d compressed tokens that start in
@@ -19,7 +21,8 @@ of GS of them), so keys are loaded once per group.
    * selection tile j < NS2: the group score of BJ blocks (the G heads' partials, each scaled
      to its head's softmax: exp2(REF - max) / sum, from the S1 partials), the forced blocks,
      and the tile's top NSEL_PAD as int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)``
-     (larger score first, ties to the lower index) into ``CAND``; tile 0 also zeroes the
+     (larger score first, ties to the lower index; the prefill's keys: ``block_keys`` and
+     ``overlap_weights`` of selection.py) into ``CAND``; tile 0 also zeroes the
      (b, h) tickets of kernel 3;
    * per slice of GS heads, the compressed merge: g_cmp·o_cmp from the S1 partials (``BASE``);
    * per slice, P_WIN window items: a range of the window's tokens, a softmax partial.
@@ -64,10 +67,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nsa.ops.params import LOG2E, NSAParams
-from nsa.ops.triton.common import exp_scale, load_tile, masked_scores, softmax_step, store_tile
+from nsa.ops.triton.common import (
+    attend_tile,
+    compressed_count,
+    exp_scale,
+    load_tile,
+    masked_scores,
+    store_tile,
+)
 from nsa.ops.triton.launch import num_sms, pow2
-
-MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
+from nsa.ops.triton.selection import MAX_BLOCK, block_keys, key_blocks, overlap_weights
+from nsa.ops.triton_support import DECODE_PDL
 
 
 @triton.jit
@@ -135,7 +145,7 @@ def _compressed_kernel(
     rows = b * H * G + hq  # [BLOCK_G] row of (b, hq) in the [B, HQ, ...] buffers
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     pos = tl.load(POS + b)
-    visible = tl.where(pos >= CMP_BLOCK - 1, (pos - CMP_BLOCK + 1) // CMP_STRIDE + 1, 0)
+    visible = compressed_count(pos + 1, CMP_BLOCK, CMP_STRIDE)
     tiles = (pos // SEL_BLOCK) // TB + 1  # every block <= pos's gets its score written
     per_split = tl.cdiv(tiles, S1)
     t_lo = split * per_split
@@ -143,16 +153,13 @@ def _compressed_kernel(
     # Overlap (/ l) of the tile's own token a, and of prefix token a (PRE before the tile),
     # with block c of the tile: the same for every tile.
     a = tl.arange(0, TOK_PAD)
-    c = tl.arange(0, TB_PAD)
-    lo = (a * CMP_STRIDE)[:, None]
-    hi = tl.minimum(lo + CMP_BLOCK, ((c + 1) * SEL_BLOCK)[None, :])
-    w_own = tl.maximum(hi - tl.maximum(lo, (c * SEL_BLOCK)[None, :]), 0).to(tl.float32)
-    w_own = tl.where((a < TOK)[:, None] & (c < TB)[None, :], w_own / CMP_BLOCK, 0.0)
     ap = tl.arange(0, PRE_PAD)
-    lo = ((ap - PRE) * CMP_STRIDE)[:, None]
-    hi = tl.minimum(lo + CMP_BLOCK, ((c + 1) * SEL_BLOCK)[None, :])
-    w_pre = tl.maximum(hi - tl.maximum(lo, (c * SEL_BLOCK)[None, :]), 0).to(tl.float32)
-    w_pre = tl.where((ap < PRE)[:, None] & (c < TB)[None, :], w_pre / CMP_BLOCK, 0.0)
+    c = tl.arange(0, TB_PAD)
+    blk_lo = (c * SEL_BLOCK)[None, :]
+    w_own = overlap_weights((a * CMP_STRIDE)[:, None], blk_lo,
+                            (a < TOK)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
+    w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], blk_lo,
+                            (ap < PRE)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
     c_exp = exp_scale(scale_log2)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -210,11 +217,7 @@ def _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, j, pos, H, NB, N
                   other=float("-inf"))
     weight = tl.exp2((ref - m_max[:, None]) * exp_scale(scale_log2)) * inv_sum[:, None]
     score = tl.sum(part * weight, axis=0)  # [BJ] group score: the G heads' shares summed
-    forced = candidate & ((block < NUM_INIT) | (block > current - NUM_LOCAL))
-    bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
-    key = (bits.to(tl.int64) << 32) | (block ^ MAX_BLOCK).to(tl.int64)
-    key = tl.where(candidate, key, -1)
-    top = tl.topk(key, NSEL_PAD)
+    top = tl.topk(block_keys(score, block, candidate, current, NUM_INIT, NUM_LOCAL), NSEL_PAD)
     tl.store(CAND + ((b * H + h) * NS2 + j) * NSEL_PAD + tl.arange(0, NSEL_PAD), top)
     if j == 0:  # kernel 3's tickets for (b, h) start at 0
         z = tl.arange(0, 16)
@@ -289,8 +292,7 @@ def _select_kernel(
                 at = (b * SW + row) * H + h
                 k = load_tile(KW + at * DK, ok, DK, BLOCK_DK)
                 v = load_tile(VW + at * DV, ok, DV, BLOCK_DV)
-                s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
-                m, l, acc = softmax_step(s, m, l, acc, v, scale_log2, IEEE)
+                m, l, acc = attend_tile(q, k, v, ok[None, :], m, l, acc, scale_log2, IEEE, False)
             _store_partial(P_M, P_L, P_ACC, rows, P_SEL + P_WIN, P_SEL + item, row_ok, m, l,
                            acc, DV, BLOCK_DV)
     if PDL:
@@ -348,7 +350,7 @@ def _selected_kernel(
         best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
     slot = tl.arange(0, NSEL_PAD)
     chosen = (best >= 0) & (slot < NSEL)
-    blocks = tl.sort(tl.where(chosen, (best & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK))
+    blocks = tl.sort(key_blocks(best, chosen))
     # Tokens [u0, u0 + ITEM_SEL) of the selected blocks laid end to end (slot u // l').
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -365,8 +367,7 @@ def _selected_kernel(
         at = (b * S + key) * H + h
         k = load_tile(K + at * DK, ok, DK, BLOCK_DK)
         v = load_tile(V + at * DV, ok, DV, BLOCK_DV)
-        s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
-        m, l, acc = softmax_step(s, m, l, acc, v, scale_log2, IEEE)
+        m, l, acc = attend_tile(q, k, v, ok[None, :], m, l, acc, scale_log2, IEEE, False)
     count = P_SEL + P_WIN
     _store_partial(P_M, P_L, P_ACC, rows, count, item, row_ok, m, l, acc, DV, BLOCK_DV)
     if PDL:
@@ -446,9 +447,8 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
 
 @functools.cache
 def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: on sm90+ GPUs, unless NSA_DECODE_PDL=0."""
-    from nsa.ops.triton_support import DECODE_PDL
-
+    """Programmatic dependent launch: on sm90+ GPUs, unless NSA_DECODE_PDL=0 (read once, at
+    import: ``nsa.ops.triton_support``)."""
     return (DECODE_PDL and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

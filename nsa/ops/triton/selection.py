@@ -20,11 +20,38 @@ import triton
 import triton.language as tl
 
 from nsa.ops.params import LOG2E
-from nsa.ops.triton.common import dot, exp_scale, load_tile, score_scale
+from nsa.ops.triton.common import compressed_count, dot, exp_scale, load_tile, score_scale
 from nsa.ops.triton.launch import TUNING, pow2, shapes, strides
 from nsa.ops.triton.tables import tile_table
 
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
+
+
+@triton.jit
+def overlap_weights(tok_lo, blk_lo, ok, CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr):
+    """The share of a compressed token in a selection block (NSA_SPEC.md, Eq. 9):
+    |[tok_lo, tok_lo + l) ∩ [blk_lo, blk_lo + l')| / l, broadcast over the token starts
+    ``tok_lo`` and block starts ``blk_lo``; 0 where not ``ok``."""
+    both = tl.minimum(tok_lo + CMP_BLOCK, blk_lo + SEL_BLOCK) - tl.maximum(tok_lo, blk_lo)
+    return tl.where(ok, tl.maximum(both, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+
+
+@triton.jit
+def block_keys(score, block, candidate, current, NUM_INIT: tl.constexpr,
+               NUM_LOCAL: tl.constexpr):
+    """Top-n keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` of blocks by their group
+    ``score`` (larger score first, ties to the lower index): forced blocks (the first
+    NUM_INIT, the last NUM_LOCAL up to ``current``) score inf; -1 where not ``candidate``."""
+    forced = candidate & ((block < NUM_INIT) | (block > current - NUM_LOCAL))
+    bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
+    key = (bits.to(tl.int64) << 32) | (block ^ MAX_BLOCK).to(tl.int64)
+    return tl.where(candidate, key, -1)
+
+
+@triton.jit
+def key_blocks(keys, chosen):
+    """The blocks of top-n keys where ``chosen``, MAX_BLOCK (sorting last) elsewhere."""
+    return tl.where(chosen, (keys & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
 
 
 @triton.jit
@@ -49,7 +76,7 @@ def _select_kernel(
     seq_start = tl.load(tile_seq_start + tile)
     cmp_start = tl.load(tile_cmp_start + tile)
     seq_len = t_end - seq_start
-    num_cmp = tl.where(seq_len >= CMP_BLOCK, (seq_len - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+    num_cmp = compressed_count(seq_len, CMP_BLOCK, CMP_STRIDE)
     t = t0 + tl.arange(0, BLOCK_P)
     row_ok = t < t_end
     t64 = t.to(tl.int64)
@@ -61,12 +88,9 @@ def _select_kernel(
     c = tl.arange(0, BJ)
     tok_lo = (a * CMP_STRIDE)[:, None]
     blk_lo = (c * SEL_BLOCK)[None, :]
-    here = tl.minimum(tok_lo + CMP_BLOCK, blk_lo + SEL_BLOCK) - tl.maximum(tok_lo, blk_lo)
-    nxt = (tl.minimum(tok_lo + CMP_BLOCK, blk_lo + BJ * SEL_BLOCK + SEL_BLOCK)
-           - tl.maximum(tok_lo, blk_lo + BJ * SEL_BLOCK))
     tok_ok = (a < TOK)[:, None]
-    w_here = tl.where(tok_ok, tl.maximum(here, 0).to(tl.float32) / CMP_BLOCK, 0.0)
-    w_next = tl.where(tok_ok, tl.maximum(nxt, 0).to(tl.float32) / CMP_BLOCK, 0.0)
+    w_here = overlap_weights(tok_lo, blk_lo, tok_ok, CMP_BLOCK, SEL_BLOCK)
+    w_next = overlap_weights(tok_lo, blk_lo + BJ * SEL_BLOCK, tok_ok, CMP_BLOCK, SEL_BLOCK)
     q_rows = Q + b * stride_qb + t64 * stride_qt + h * G * stride_qh
     lse_rows = LSE + b * stride_lb + t64 * stride_lt + h * G
     carry = tl.zeros([BLOCK_P, BJ], tl.float32)
@@ -90,12 +114,9 @@ def _select_kernel(
         score = tl.dot(p, w_here, input_precision="tf32x3") + carry  # [P, BJ]
         carry = tl.dot(p, w_next, input_precision="tf32x3")
         block = j0 + c
-        candidate = block[None, :] <= current[:, None]
-        forced = candidate & ((block[None, :] < NUM_INIT)
-                              | (block[None, :] > current[:, None] - NUM_LOCAL))
-        bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
-        key = (bits.to(tl.int64) << 32) | (block[None, :] ^ MAX_BLOCK).to(tl.int64)
-        key = tl.where(candidate & row_ok[:, None], key, -1)
+        candidate = (block[None, :] <= current[:, None]) & row_ok[:, None]
+        key = block_keys(score, block[None, :], candidate, current[:, None], NUM_INIT,
+                         NUM_LOCAL)
         # Merge: the step's best BEST keys (descending) against the running ones reversed;
         # the elementwise maximum holds the best BEST of both as a bitonic sequence.
         if BJ > BEST:
@@ -105,8 +126,7 @@ def _select_kernel(
         best = tl.bitonic_merge(tl.maximum(best, tl.flip(key, 1)), descending=True)
     slot = tl.arange(0, BEST)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
-    blocks = tl.where(chosen, (best & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
-    blocks = tl.sort(blocks, dim=1)
+    blocks = tl.sort(key_blocks(best, chosen), dim=1)
     blocks = tl.where(blocks == MAX_BLOCK, -1, blocks)
     tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :],
              blocks, mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED))
