@@ -152,8 +152,9 @@ def test_autocast_decode_with_triton_kernels():
     the compute dtype, and a decode step meeting a cache of another dtype (a float32 cache,
     half queries) computes its products in the cache's dtype. bf16 on the GPU; fp16 on the
     CPU, where the Triton interpreter computes bf16 wrongly (fp16 and fp32 exactly) and where
-    the forward and prefill run on the PyTorch backend (the interpreted Triton forward takes
-    minutes; tests/ops covers it), the decode steps on Triton."""
+    the forward and prefill compared against run on the PyTorch backend (the interpreted Triton
+    forward takes minutes; tests/ops covers it), the decode steps on Triton; ``generate``
+    (a 4-token prompt) runs on Triton throughout."""
     pytest.importorskip("triton")
     device = "cuda" if CUDA else "cpu"
     half = torch.bfloat16 if CUDA else torch.float16
@@ -169,8 +170,7 @@ def test_autocast_decode_with_triton_kernels():
             for pos in range(16, 24):
                 logits = model.decode_step(tokens[:, pos], cache).float()
                 torch.testing.assert_close(logits, full[:, pos], rtol=5e-2, atol=5e-2)
-        if CUDA:
-            assert model.generate(tokens[:, :4], 6).shape == (2, 10)
+        assert model.generate(tokens[:, :4], 6).shape == (2, 10)  # all on Triton
 
 
 def test_block_scores_from_equals_the_overlap_matrix():

@@ -8,9 +8,12 @@ GPU (many compressed splits, head slices, several items per branch) or of a batc
 fills it (several tiles per split and per item); the selection tile is cut so that a few blocks
 give several candidate lists."""
 
+import importlib.util
+
 import pytest
 import torch
 
+import nsa.ops.triton_support
 from nsa.ops import NSAParams
 from nsa.ops.decode import nsa_decode
 from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
@@ -139,6 +142,26 @@ def test_decode_plan_fills_the_gpu():
     assert G * Dv * 4 / read_per_split < 0.04  # a partial: G·Dv float32
     assert (sixteen.selected_items, sixteen.selected_item_tokens) == (4, 256)
     assert (sixteen.window_items, sixteen.window_item_tokens) == (2, 256)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False)],
+                         ids=["unset", "on", "off"])
+def test_decode_pdl_flag_is_read_at_import(value, expected, monkeypatch):
+    """NSA_DECODE_PDL=0 turns programmatic dependent launch off. It is read when
+    ``nsa.ops.triton_support`` is imported (here a fresh copy of it), not by a step; off the
+    GPU there is no PDL whatever it says."""
+    from nsa.ops.triton.decode import use_pdl
+
+    if value is None:
+        monkeypatch.delenv("NSA_DECODE_PDL", raising=False)
+    else:
+        monkeypatch.setenv("NSA_DECODE_PDL", value)
+    spec = importlib.util.spec_from_file_location("fresh_triton_support",
+                                                  nsa.ops.triton_support.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.DECODE_PDL is expected
+    assert not use_pdl(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
