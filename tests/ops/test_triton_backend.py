@@ -145,6 +145,24 @@ def assert_valid_selection(idx, scores, params, cu_seqlens, tolerance, positions
     assert (worst_in >= best_out - tolerance).all(), (worst_in - best_out).min()
 
 
+# (l, d, l'): a compressed token reaches 0-3 blocks past its own; 1-5 tokens per block (the
+# kernel pads 3 and 5 to 4 and 8); T = 300 spans several steps of the selection kernel.
+BLOCK_MAPPINGS = [(4, 4, 8), (8, 2, 4), (16, 4, 4), (6, 2, 6), (10, 2, 10), (2, 1, 3)]
+
+
+@pytest.mark.parametrize("l,d,ls", BLOCK_MAPPINGS,
+                         ids=[f"l{a}-d{b}-ls{c}" for a, b, c in BLOCK_MAPPINGS])
+def test_triton_selection_maps_tokens_onto_blocks(l, d, ls):
+    """The kernel's block scores (own tokens plus the tokens spilling from the blocks before,
+    across step boundaries) pick a spec-valid top-n of the float64 block scores."""
+    p = dict(cmp_block=l, cmp_stride=d, sel_block=ls, num_selected=3, num_init=1, num_local=1)
+    params = NSAParams(**p)
+    x, _ = make_inputs(1, 300, 4, 2, 16, 16, None, p, torch.float32, seed=l + d + ls)
+    idx = nsa.nsa_select(x["q"], x["k_cmp"], backend="triton", **p)
+    scores = block_scores(x["q"], x["k_cmp"], params, 16**-0.5, None)
+    assert_valid_selection(idx, scores, params, None, 1e-4)
+
+
 def run_case(case, dtype):
     B, T, HQ, H, Dk, Dv, cu, p = case
     params = NSAParams(**p)

@@ -14,7 +14,9 @@ TUNING = {
     "dense_fwd": dict(rows=128, num_warps=4, num_stages=2),
     "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
     "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
-    "select": dict(rows=64, num_warps=4, num_stages=1),  # rows: positions (heads looped)
+    # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
+    # per step.
+    "select": dict(rows=64, num_warps=4, num_stages=1, tokens=128),
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned.
     "selected_fwd": dict(num_warps=1, num_stages=2),
     "selected_dq": dict(num_warps=2, num_stages=2),

@@ -1,16 +1,20 @@
 """Block selection: the Triton kernel, then its launch wrapper.
 
 ``_select_kernel``: one program per (tile of ``BLOCK_P`` consecutive positions of one sequence,
-KV head). Each step loads ``TOK`` compressed keys once and, for each of the G query heads of
-the group in turn, recomputes the compressed probabilities from the compressed log-sum-exp and
-adds them up (the group score is a sum over heads). The group probabilities are mapped onto
-``BJ`` selection blocks by a product with the fixed overlap weights (tf32x3: float32 accuracy
-on the tensor cores); the share of the step's last tokens that falls into the next step's
-blocks is carried. A running top-n per position is kept, sorted descending, as ``BEST``
-int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to the lower
-index); each step takes its own best ``BEST`` keys (a bitonic top-k), and the elementwise
-maximum of those against the running keys reversed is a bitonic sequence holding the best of
-both, which one bitonic merge sorts. No score matrix is written: memory is linear in T.
+KV head). Each step loads the compressed keys of ``BJ`` selection blocks once and, for each of
+the G query heads of the group in turn, recomputes the compressed probabilities from the
+compressed log-sum-exp and adds them up (the group score is a sum over heads). A step's
+columns are ordered (token of a block, block), so the probabilities reshape to
+[positions, tokens per block, BJ]; a block's score is a weighted sum of its own tokens plus
+the shares of the tokens of the ``SPILL`` blocks before it, rolled along the blocks with
+``tl.gather`` (exact float32 sums; the share rolling past the step is carried to the next).
+Products with an overlap-weight matrix on the tensor cores did the same but spilled
+registers (bench/NOTES.md v8). A running top-n per position is kept, sorted descending, as
+``BEST`` int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to
+the lower index); each step takes its own best ``BEST`` keys (a bitonic top-k), and the
+elementwise maximum of those against the running keys reversed is a bitonic sequence holding
+the best of both, which one bitonic merge sorts. No score matrix is written: memory is
+linear in T.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ def _select_kernel(
     stride_ib, stride_it, stride_ih,
     H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_P: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, BEST: tl.constexpr, BJ: tl.constexpr, TOK: tl.constexpr,
-    TOK_PAD: tl.constexpr,
+    NUM_SELECTED: tl.constexpr, BEST: tl.constexpr, BJ: tl.constexpr,
+    TOK_PAD: tl.constexpr, M_PAD: tl.constexpr, SPILL: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -82,23 +86,23 @@ def _select_kernel(
     t64 = t.to(tl.int64)
     pos = t - seq_start
     current = pos // SEL_BLOCK  # [P] block of the query itself
-    # Overlap (/ l) of compressed token a of a step with block c of the step and with block c
-    # of the next step.
-    a = tl.arange(0, TOK_PAD)
+    TOKENS_PER_BLOCK: tl.constexpr = SEL_BLOCK // CMP_STRIDE
+    # A step's columns are (token i of a block, block c of the step), i-major: i·BJ + c.
+    col = tl.arange(0, TOK_PAD)
+    col_block = col % BJ
+    col_token = col // BJ
     c = tl.arange(0, BJ)
-    tok_lo = (a * CMP_STRIDE)[:, None]
-    blk_lo = (c * SEL_BLOCK)[None, :]
-    tok_ok = (a < TOK)[:, None]
-    w_here = overlap_weights(tok_lo, blk_lo, tok_ok, CMP_BLOCK, SEL_BLOCK)
-    w_next = overlap_weights(tok_lo, blk_lo + BJ * SEL_BLOCK, tok_ok, CMP_BLOCK, SEL_BLOCK)
+    # Share of token i of a block in that block and in the k-th block after it, k ≤ SPILL.
+    i = tl.arange(0, M_PAD)
+    w_own = overlap_weights(i * CMP_STRIDE, 0, i < TOKENS_PER_BLOCK, CMP_BLOCK, SEL_BLOCK)
     q_rows = Q + b * stride_qb + t64 * stride_qt + h * G * stride_qh
     lse_rows = LSE + b * stride_lb + t64 * stride_lt + h * G
     carry = tl.zeros([BLOCK_P, BJ], tl.float32)
     best = tl.full([BLOCK_P, BEST], -1, tl.int64)  # descending
     num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
     for j0 in range(0, num_blocks, BJ):
-        i_loc = j0 * (SEL_BLOCK // CMP_STRIDE) + a  # compressed index within the sequence
-        k_ok = (a < TOK) & (i_loc < num_cmp)
+        i_loc = (j0 + col_block) * TOKENS_PER_BLOCK + col_token  # compressed index in the sequence
+        k_ok = (col_token < TOKENS_PER_BLOCK) & (i_loc < num_cmp)
         kc = load_tile(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64) * stride_kt
                        + h * stride_kh, k_ok, DK, BLOCK_DK)
         p = tl.zeros([BLOCK_P, TOK_PAD], tl.float32)  # group probabilities, summed over heads
@@ -111,8 +115,19 @@ def _select_kernel(
         # NaN: masked once per step, after the sum over heads.
         visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
         p = tl.where(visible, p, 0.0)
-        score = tl.dot(p, w_here, input_precision="tf32x3") + carry  # [P, BJ]
-        carry = tl.dot(p, w_next, input_precision="tf32x3")
+        # Block scores: each block's own tokens, then the tokens of the SPILL blocks before it
+        # (rolled by k along the blocks; what rolls past the step is carried to the next).
+        p3 = tl.reshape(p, [BLOCK_P, M_PAD, BJ])
+        score = carry + tl.sum(p3 * w_own[None, :, None], axis=1)  # [P, BJ]
+        carry = tl.zeros([BLOCK_P, BJ], tl.float32)
+        for k in tl.static_range(1, SPILL + 1):
+            w_k = overlap_weights(i * CMP_STRIDE, k * SEL_BLOCK, i < TOKENS_PER_BLOCK, CMP_BLOCK,
+                                  SEL_BLOCK)
+            spilled = tl.sum(p3 * w_k[None, :, None], axis=1)  # into block c + k
+            rolled = tl.gather(spilled, tl.broadcast_to(((c + BJ - k) % BJ)[None, :],
+                                                        [BLOCK_P, BJ]), axis=1)
+            score += tl.where(c[None, :] >= k, rolled, 0.0)
+            carry += tl.where(c[None, :] < k, rolled, 0.0)
         block = j0 + c
         candidate = (block[None, :] <= current[:, None]) & row_ok[:, None]
         key = block_keys(score, block[None, :], candidate, current[:, None], NUM_INIT,
@@ -142,18 +157,22 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     P = tuning["rows"]
     num_tiles, start, end, seq_start, cmp_start = tile_table(tables, T, P)
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
-    # Blocks per step: the top-n width, or up to 32 blocks of at most 128 compressed tokens
-    # when that is more (wider steps overflow shared memory with the overlap weights).
+    # Blocks per step: the top-n width, or as many as hold tuning["tokens"] compressed tokens.
     tokens_per_block = params.sel_block // params.cmp_stride
     best = max(2, triton.next_power_of_2(params.num_selected))  # running top-n width
-    blocks_per_step = max(best, min(32, triton.next_power_of_2(max(1, 128 // tokens_per_block))))
-    tokens = blocks_per_step * tokens_per_block
+    # A compressed token reaches into at most SPILL blocks after its own.
+    cells = params.cmp_block // params.cmp_stride  # a token's length in strides
+    spill = (tokens_per_block + cells - 2) // tokens_per_block
+    blocks_per_step = max(best, triton.next_power_of_2(spill + 1),
+                          triton.next_power_of_2(max(1, tuning["tokens"] // tokens_per_block)))
+    m_pad = triton.next_power_of_2(tokens_per_block)
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *strides(q), *strides(k_cmp), *lse_cmp.stride()[:2], *strides(idx),
         H, scale * LOG2E,
         G=G, DK=Dk, BLOCK_DK=pow2(Dk), BLOCK_P=P, NUM_SELECTED=params.num_selected, BEST=best,
-        BJ=blocks_per_step, TOK=tokens, TOK_PAD=pow2(tokens), CMP_BLOCK=params.cmp_block,
+        BJ=blocks_per_step, TOK_PAD=blocks_per_step * m_pad, M_PAD=m_pad, SPILL=spill,
+        CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
         num_warps=tuning["num_warps"], num_stages=1 if pow2(Dk) > 128 else tuning["num_stages"],
