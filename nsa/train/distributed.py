@@ -40,7 +40,8 @@ class DistContext:
 def init_distributed(device_name: str, parallel: str) -> DistContext:
     """Join torchrun's process group when ``parallel`` is "ddp" or "fsdp" (NCCL on CUDA, gloo on
     the CPU). SetupError, before anything starts, when the launch does not fit the settings:
-    ``parallel`` without torchrun, several processes without ``parallel``, no GPU for CUDA."""
+    ``parallel`` without torchrun, several processes without ``parallel``, no GPU for CUDA
+    or for a local rank."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -52,6 +53,10 @@ def init_distributed(device_name: str, parallel: str) -> DistContext:
         raise SetupError(f"{world_size} processes (torchrun) need parallel=ddp or parallel=fsdp")
     device = resolve_device(device_name)
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise SetupError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} "
+                             f"visible; start at most that many processes per node "
+                             f"(torchrun --nproc_per_node) or train with device=cpu")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if parallel != "none" and not dist.is_initialized():

@@ -32,6 +32,7 @@ from nsa.train.checkpoint import (
     model_from_checkpoint,
 )
 from nsa.train.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from tests.optional import needs_lm_eval
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -342,6 +343,7 @@ print(json.dumps({"scores": scores, "text": text, "max_length": lm.max_length}))
 """
 
 
+@needs_lm_eval
 def test_lm_eval_huggingface_wrapper_scores_and_generates(hf_dir, run_dir):
     """lm-evaluation-harness's HFLM, as 'lm_eval --model hf --model_args pretrained=DIR'
     builds it, offline, in a fresh process: log-likelihoods (a batch of 2, right-padded) and
@@ -394,6 +396,7 @@ metric_list: [{{metric: exact_match}}]
 }
 
 
+@needs_lm_eval
 def test_lm_eval_command_line_evaluates_the_directory(hf_dir, tmp_path):
     """'python -m nsa.hf.harness' (lm_eval's command line after 'import nsa.hf') runs a
     log-likelihood and a generation task from local files, offline."""

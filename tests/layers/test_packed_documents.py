@@ -31,15 +31,16 @@ def packed_and_alone(layer, lengths, alone_layer=None):
     alone (outputs concatenated, gradients summed over documents), by ``alone_layer`` (a copy
     of ``layer``) if given."""
     torch.manual_seed(0)
-    x = torch.randn(1, sum(lengths), layer.config.dim, requires_grad=True)
-    grad_out = torch.randn(1, sum(lengths), layer.config.dim)
+    device = next(layer.parameters()).device
+    x = torch.randn(1, sum(lengths), layer.config.dim).to(device).requires_grad_()
+    grad_out = torch.randn(1, sum(lengths), layer.config.dim).to(device)
 
     def run(module, out):
         inputs = [x, *module.parameters()]
         return out.detach(), torch.autograd.grad((out * grad_out).sum(), inputs, allow_unused=True)
 
     alone_layer = alone_layer or layer
-    packed = run(layer, layer(x, offsets(lengths)))
+    packed = run(layer, layer(x, offsets(lengths).to(device)))
     alone = run(alone_layer, torch.cat([alone_layer(doc) for doc in x.split(lengths, dim=1)], 1))
     return packed, alone
 
@@ -66,13 +67,14 @@ def test_nsa_layer_packed_equals_each_document_alone(overrides, lengths):
 
 def test_nsa_layer_packed_equals_each_document_alone_triton():
     """The Triton kernels read the layer's packed compressed tokens as the PyTorch backend does:
-    the packed row on Triton (interpreted on the CPU, so tiny: one KV head, documents of 5, 1
-    and 12 tokens with l = 8) equals each document alone on PyTorch."""
+    the packed row on Triton (compiled on a GPU; interpreted on the CPU, so tiny: one KV head,
+    documents of 5, 1 and 12 tokens with l = 8) equals each document alone on PyTorch."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     config = make_config(backend="triton", num_heads=2, num_kv_heads=1,
                          nsa=NSAParams(cmp_block=8, cmp_stride=4, sel_block=8, num_selected=2,
                                        num_local=1, window=4))
-    layer = NSAttention(config)
-    reference = NSAttention(replace_fields(config, backend="torch"))
+    layer = NSAttention(config).to(device)
+    reference = NSAttention(replace_fields(config, backend="torch")).to(device)
     reference.load_state_dict(layer.state_dict())
     assert_same(*packed_and_alone(layer, [5, 1, 12], alone_layer=reference))
 

@@ -13,6 +13,7 @@ import nsa.cli
 from nsa.config_tree import replace_fields
 from nsa.train import build_config, train, trainer
 from nsa.train.errors import SetupError
+from tests.optional import needs_datasets
 
 
 @pytest.fixture
@@ -127,6 +128,7 @@ def test_too_few_documents_for_val_docs_is_named_before_the_first_step(tmp_path,
     assert "holds 10 documents" in line and "set val_docs=9 or lower" in line
 
 
+@needs_datasets
 def test_a_val_split_too_small_for_eval_steps_is_named_before_the_first_step(
         tmp_path, tiny_overrides, cli_error, no_step):
     data = write_jsonl(tmp_path / "docs.jsonl", 30)
@@ -135,6 +137,7 @@ def test_a_val_split_too_small_for_eval_steps_is_named_before_the_first_step(
     assert "set eval_steps=1 or lower" in line
 
 
+@needs_datasets
 def test_local_documents_train_when_they_suffice(tmp_path, tiny_overrides):
     data = write_jsonl(tmp_path / "docs.jsonl", 30)
     result = train(build_config("tiny", [*tiny_overrides, f"data={data}", "val_docs=4",

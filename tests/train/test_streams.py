@@ -23,6 +23,7 @@ from nsa.train.streams import (
     local_batch_size,
 )
 from nsa.train.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from tests.optional import needs_datasets
 
 BYTES = ByteTokenizer()
 DOCS = [f"doc{i:02d} " + "abcdefghij"[: i % 10] * (i % 4 + 1) + "ü" * (i % 3)
@@ -72,6 +73,7 @@ def stream_of(source, split="train", **options):
     return build_stream(source, split, **{**arguments, **options})
 
 
+@needs_datasets
 def test_rows_pack_the_training_documents_and_start_over_when_they_end(parquet_file):
     stream = stream_of(parquet_file)
     expected = packed(DOCS[VAL_DOCS:])
@@ -81,6 +83,7 @@ def test_rows_pack_the_training_documents_and_start_over_when_they_end(parquet_f
     assert stream.state_dict()["epoch"] == 1
 
 
+@needs_datasets
 def test_val_split_is_the_first_documents_and_restarts(parquet_file):
     stream = stream_of(parquet_file, "val", batch_size=1)
     num_batches = len(packed(DOCS[:VAL_DOCS])) // 16
@@ -107,6 +110,7 @@ def parquet_source(tmp_path, num_files: int) -> str:
     return str(tmp_path / "part*.parquet")
 
 
+@needs_datasets
 @pytest.mark.parametrize("num_files", [1, 2])  # 2: as many files as ranks, still dealt by doc
 def test_ranks_read_every_other_training_document(tmp_path, num_files):
     source, docs = parquet_source(tmp_path, num_files), DOCS[VAL_DOCS:]
@@ -116,6 +120,7 @@ def test_ranks_read_every_other_training_document(tmp_path, num_files):
         assert documents_read(stream, num_rows) == docs[rank::2]
 
 
+@needs_datasets
 @pytest.mark.parametrize("num_files", [1, 2])
 def test_ranks_share_out_the_first_documents_for_val(tmp_path, num_files):
     source, docs = parquet_source(tmp_path, num_files), DOCS[:VAL_DOCS]
@@ -125,7 +130,8 @@ def test_ranks_share_out_the_first_documents_for_val(tmp_path, num_files):
         assert len(read) >= 1 and read == docs[rank::2][: len(read)]
 
 
-@pytest.mark.parametrize("source", ["synthetic", "shakespeare", "parquet"])
+@pytest.mark.parametrize("source", ["synthetic", "shakespeare",
+                                    pytest.param("parquet", marks=needs_datasets)])
 @pytest.mark.parametrize("first", [3, 9])  # 9: the parquet stream is in its second epoch
 def test_a_restored_stream_continues_with_the_next_batch(parquet_file, source, first):
     source = parquet_file if source == "parquet" else source
@@ -144,6 +150,7 @@ def test_a_restored_stream_continues_with_the_next_batch(parquet_file, source, f
     assert rows(resumed, 5) == unbroken[-5 * 3 * 11:]
 
 
+@needs_datasets
 def test_a_state_must_match_the_stream(parquet_file):
     stream = stream_of(parquet_file)
     state = stream.state_dict()
@@ -158,6 +165,7 @@ def test_a_state_must_match_the_stream(parquet_file):
         stream.next_batch()
 
 
+@needs_datasets
 @pytest.mark.parametrize("layout", ["txt directory", "jsonl file", "jsonl glob", "parquet glob"])
 def test_local_formats_read_the_same_documents(tmp_path, layout):
     if layout == "txt directory":
@@ -178,6 +186,7 @@ def test_local_formats_read_the_same_documents(tmp_path, layout):
     assert rows(stream_of(source), len(expected) // 32) == expected[: len(expected) // 32 * 32]
 
 
+@needs_datasets
 @pytest.mark.parametrize("name, content, message", [
     ("docs.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": broken\n{"text": "d"}\n',
      r"docs\.jsonl: line 3: not valid JSON"),
@@ -220,6 +229,7 @@ def failing_opens(monkeypatch, plan: list[int], error: Exception | None = None) 
     return starts
 
 
+@needs_datasets
 @pytest.mark.parametrize("plan, retries, starts, delays", [
     ([7, 0, 0], 3, [0, 7, 7, 7], [1, 2, 4]),  # consecutive failures back off exponentially
     ([4, 4, 4], 1, [0, 4, 8, 12], [1, 1, 1]),  # a document read in between resets the count
@@ -233,6 +243,7 @@ def test_a_failing_stream_is_reopened_where_it_failed(parquet_file, monkeypatch,
     assert sleeps == pytest.approx([0.001 * delay for delay in delays])
 
 
+@needs_datasets
 def test_a_stream_that_keeps_failing_stops_with_the_last_error(parquet_file, monkeypatch,
                                                                sleeps):
     opened = failing_opens(monkeypatch, [3, 0, 0, 0])
@@ -257,6 +268,7 @@ def hub_network_error() -> Exception:
     return httpx2.ConnectError("[Errno 101] Network is unreachable")
 
 
+@needs_datasets
 @pytest.mark.parametrize("make_error", [
     lambda: ConnectionError("connection reset"), lambda: TimeoutError("read timed out"),
     lambda: OSError(errno.EIO, "Input/output error"), hub_network_error,
@@ -332,12 +344,14 @@ def test_too_few_documents_for_val_docs_is_named(parquet_file, val_docs, world_s
     stream_of(parquet_file, val_docs=34, world_size=2)  # one training document per rank
 
 
+@needs_datasets
 def test_a_val_split_too_small_for_the_batches_names_eval_steps(parquet_file):
     stream = stream_of(parquet_file, "val", batch_size=1)
     with pytest.raises(SetupError, match=r"val_docs=5 .* set eval_steps=\d+ or lower"):
         rows(stream, 100)
 
 
+@needs_datasets
 def test_fineweb_streams_the_hub_dataset(parquet_file, monkeypatch):
     import datasets
 

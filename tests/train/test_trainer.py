@@ -19,6 +19,7 @@ from nsa.train.checkpoint import (
 from nsa.train.data import BatchSampler, read_corpus
 from nsa.train.metrics import METRICS, MetricsLog, Progress, read_metrics
 from nsa.train.trainer import build_optimizer, learning_rate, train_step
+from tests.optional import needs_datasets
 
 
 def losses(run_dir):
@@ -177,6 +178,7 @@ def test_doc_masking_without_eot_in_the_rows_is_the_unmasked_step(tiny_overrides
         torch.testing.assert_close(a, b)
 
 
+@needs_datasets
 def test_doc_masking_passes_the_documents_of_each_packed_batch(tmp_path, tiny_overrides,
                                                                monkeypatch):
     """Documents (lines of the bundled corpus) joined by the eot id: the model gets each batch's
