@@ -1,4 +1,5 @@
-"""Command line: ``nsa train``, ``nsa sample``, ``nsa export`` and ``nsa generate``."""
+"""Command line: ``nsa train``, ``nsa sample``, ``nsa export``, ``nsa generate`` and
+``nsa eval``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from nsa.train.tokenizer import TokenizerUnavailableError
 SAMPLE_FLAGS = {"max_new_tokens": "--tokens", "temperature": "--temperature"}
 GENERATE_FLAGS = {"max_new_tokens": "--max-tokens", "temperature": "--temperature",
                   "top_k": "--top-k", "top_p": "--top-p"}
+EVAL_TASKS = ("perplexity", "passkey")
+# nsa eval's options that belong to one task: given without it, they are refused.
+EVAL_TASK_FLAGS = {"files": "perplexity", "seq": "perplexity", "passkey_lengths": "passkey",
+                   "passkey_depths": "passkey", "passkey_trials": "passkey", "heatmap": "passkey"}
+PASSKEY_DEPTHS = "0,25,50,75,100"
+PASSKEY_TRIALS = 10
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +91,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                      help="replay each decode step as a CUDA graph (CUDA only)")
     gen.set_defaults(run=run_generate)
+
+    ev = commands.add_parser(
+        "eval", help="perplexity on held-out text, passkey retrieval", allow_abbrev=False,
+        description="Evaluate a run directory, a model file or a Hugging Face directory written "
+                    "by 'nsa export'. Perplexity: non-overlapping windows of --seq tokens, "
+                    "nats and bits per token, bits per byte. Passkey: a key planted in filler "
+                    "text at each depth, asked for at the end of a context of each length "
+                    "(in the model's tokens), answered greedily; accuracy per cell.")
+    ev.add_argument("--model", type=Path, required=True,
+                    help="a run directory, or a file or directory written by 'nsa export'")
+    ev.add_argument("--tasks", default="perplexity",
+                    help="comma-separated: perplexity, passkey (default: perplexity)")
+    ev.add_argument("--files", nargs="+", metavar="PATH",
+                    help="held-out .txt/.jsonl/.parquet files, directories or globs, a document "
+                         "each (a .txt file) or per line/row (default: the run's validation "
+                         "split)")
+    ev.add_argument("--seq", type=int, help="tokens per window (default: the run's seq_len)")
+    ev.add_argument("--passkey-lengths", metavar="L,...",
+                    help="context lengths in tokens (default: the model's max_seq_len)")
+    ev.add_argument("--passkey-depths", metavar="D,...",
+                    help=f"needle depths in percent (default: {PASSKEY_DEPTHS})")
+    ev.add_argument("--passkey-trials", type=int,
+                    help=f"keys per cell (default: {PASSKEY_TRIALS})")
+    ev.add_argument("--heatmap", type=Path, metavar="PNG",
+                    help="draw passkey accuracy as a heat map (needs matplotlib)")
+    ev.add_argument("--seed", type=int, default=0, help="the passkey keys' seed")
+    ev.add_argument("--batch-size", type=int, default=8,
+                    help="windows or passkey prompts per forward pass")
+    ev.add_argument("--device", default="auto", choices=DEVICES)
+    ev.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
+    ev.set_defaults(run=run_eval)
     return parser
 
 
@@ -196,6 +234,107 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
     print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:,.1f} tokens/s; "
           f"prompt of {min(prompt.shape[1], config.model.max_seq_len)} tokens prefilled in "
           f"{first - began:.2f} s{decoding}]", file=sys.stderr)
+
+
+def parse_numbers(flag: str, text: str, kind: type) -> list:
+    """'2048,4096' -> [2048, 4096]; ValueError naming ``flag`` for anything else."""
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def check_writable(flag: str, path: Path | None) -> None:
+    """ValueError unless ``path`` (when given) can be a new file: its directory exists."""
+    if path is not None and (path.is_dir() or not path.parent.is_dir()):
+        raise ValueError(f"{flag} {path}: not a file path in an existing directory")
+
+
+def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every check comes before the model runs: a bad flag, path, length or depth, a missing
+    matplotlib for --heatmap, data that cannot be read, each is one ``nsa: error:`` line."""
+    import json
+    import math
+
+    from nsa.eval.passkey import (
+        check_matplotlib,
+        check_passkey_grid,
+        passkey_accuracy,
+        passkey_table,
+        save_heatmap,
+    )
+    from nsa.eval.perplexity import file_texts, perplexity, validation_texts
+    from nsa.train.checkpoint import atomic_write, load_model
+    from nsa.train.passkey import PasskeyText
+    from nsa.train.tokenizer import get_tokenizer
+    from nsa.train.trainer import check_attention_backend, resolve_device
+
+    try:
+        tasks = args.tasks.split(",")
+        if not tasks or not set(tasks) <= set(EVAL_TASKS):
+            raise ValueError(f"--tasks takes comma-separated tasks of {EVAL_TASKS}, got "
+                             f"{args.tasks!r}")
+        for name, task in EVAL_TASK_FLAGS.items():
+            if getattr(args, name) is not None and task not in tasks:
+                raise ValueError(f"--{name.replace('_', '-')} applies to --tasks {task}")
+        lengths = (None if args.passkey_lengths is None
+                   else parse_numbers("--passkey-lengths", args.passkey_lengths, int))
+        depths = parse_numbers("--passkey-depths", PASSKEY_DEPTHS if args.passkey_depths is None
+                               else args.passkey_depths, float)
+        if not all(math.isfinite(depth) for depth in depths):
+            raise ValueError(f"--passkey-depths must be finite, got {args.passkey_depths!r}")
+        trials = PASSKEY_TRIALS if args.passkey_trials is None else args.passkey_trials
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        check_writable("--json", args.json)
+        check_writable("--heatmap", args.heatmap)
+        if args.heatmap is not None:
+            check_matplotlib()
+        if not args.model.exists():
+            raise ValueError(f"--model {args.model}: no such file or directory")
+        device = resolve_device(args.device)
+        config, model = load_model(args.model)
+        check_attention_backend(config.model, device)
+        t = config.train
+        tokenizer = get_tokenizer(t.tokenizer)
+        max_seq_len = config.model.max_seq_len
+        seq = t.seq_len if args.seq is None else args.seq
+        if not 1 <= seq <= max_seq_len:
+            raise ValueError(f"--seq must be in [1, max_seq_len={max_seq_len}], got {seq}")
+        lengths = lengths or [max_seq_len]
+        if "passkey" in tasks:
+            check_passkey_grid(PasskeyText(tokenizer), max_seq_len, lengths, depths, trials)
+        model = model.to(device)
+        results = {"model": str(args.model), "tokenizer": t.tokenizer}
+        if "perplexity" in tasks:
+            texts = file_texts(args.files, tokenizer) if args.files else validation_texts(
+                t, tokenizer)
+            source = (f"files {' '.join(args.files)}" if args.files
+                      else f"the validation split of data={t.data}")
+            result = perplexity(model, tokenizer, texts, seq, batch_size=args.batch_size,
+                                device=device, use_autocast=t.autocast,
+                                doc_masking=t.doc_masking)
+            results["perplexity"] = {"source": source, **result.to_dict()}
+            print(f"perplexity on {source}: {result.tokens:,} tokens ({result.bytes:,} bytes) in "
+                  f"windows of {seq}: {result.nats_per_token:.4f} nats/token, "
+                  f"{result.bits_per_token:.4f} bits/token, {result.bits_per_byte:.4f} "
+                  f"bits/byte, perplexity {result.perplexity:.2f}")
+        if "passkey" in tasks:
+            cells = passkey_accuracy(model, tokenizer, lengths, depths, trials, args.seed,
+                                     batch_size=args.batch_size, device=device,
+                                     use_autocast=t.autocast)
+            results["passkey"] = {"seed": args.seed, "cells": [c.to_dict() for c in cells]}
+            print(f"passkey accuracy ({trials} keys per cell, seed {args.seed}):")
+            print(passkey_table(cells))
+            if args.heatmap is not None:
+                save_heatmap(cells, args.heatmap, f"passkey retrieval: {args.model.name}")
+                print(f"wrote {args.heatmap}")
+    except (RunDirError, ModelFileError, SetupError, TokenizerUnavailableError,
+            ValueError) as error:
+        parser.error(str(error))
+    if args.json is not None:
+        atomic_write(args.json, lambda file: file.write(json.dumps(results, indent=1).encode()))
+        print(f"wrote {args.json}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,5 +1,9 @@
-"""The command line: the README's generation examples with the tiny preset, and every misuse
-answered with exactly one 'nsa: error:' line (exit code 2, no traceback)."""
+"""The command line: the README's generation and evaluation examples with the tiny preset, and
+every misuse answered with exactly one 'nsa: error:' line (exit code 2, no traceback)."""
+
+import json
+import math
+import sys
 
 import pytest
 import torch
@@ -54,6 +58,47 @@ def test_readme_sample_400_tokens_is_the_generate_loop(run_dir, capsys, monkeypa
     assert len(runs[0]) == 400 and torch.equal(torch.cat(runs[0]), torch.cat(runs[1]))
 
 
+HELD_OUT = ["JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n" * 3, "Deny thy father.\n"]
+
+
+def test_readme_eval_perplexity_and_passkey(run_dir, model_file, tmp_path, capsys):
+    """'nsa eval --tasks perplexity,passkey ... --json': the same results from the run
+    directory and its exported file, every held-out byte scored, a cell per length and depth."""
+    for i, text in enumerate(HELD_OUT):
+        (tmp_path / f"held_out{i}.txt").write_text(text)
+    results = []
+    for model in (run_dir, model_file):
+        out_json = tmp_path / f"{model.name}.json"
+        nsa.cli.main(["eval", "--model", str(model), "--files", str(tmp_path / "held_out*.txt"),
+                      "--tasks", "perplexity,passkey", "--passkey-lengths", "96,128",
+                      "--passkey-depths", "0,50,100", "--passkey-trials", "2", "--seed", "3",
+                      "--json", str(out_json)])
+        out = capsys.readouterr().out
+        assert "bits/byte" in out and "length \\ depth      0%     50%    100%" in out
+        results.append(json.loads(out_json.read_text()))
+    assert results[0]["perplexity"] == results[1]["perplexity"]
+    assert results[0]["passkey"] == results[1]["passkey"]
+    perplexity = results[0]["perplexity"]
+    assert perplexity["tokens"] == perplexity["bytes"] == sum(len(t) for t in HELD_OUT)
+    assert perplexity["seq_len"] == 128 and perplexity["bits_per_token"] == pytest.approx(
+        perplexity["bits_per_byte"])
+    assert 7.0 < perplexity["bits_per_byte"] < 9.0  # untrained: about log2(256) = 8
+    assert math.isclose(perplexity["nats_per_token"], perplexity["nats"] / perplexity["tokens"])
+    cells = results[0]["passkey"]["cells"]
+    assert [(c["length"], c["depth"], c["trials"]) for c in cells] == [
+        (length, depth, 2) for length in (96, 128) for depth in (0, 50, 100)]
+
+
+def test_eval_heatmap_needs_matplotlib(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
+    with pytest.raises(SystemExit):
+        nsa.cli.main(["eval", "--model", str(run_dir), "--tasks", "passkey", "--heatmap",
+                      str(tmp_path / "passkey.png")])
+    err = capsys.readouterr().err
+    assert "nsa: error: a heat map needs matplotlib: pip install matplotlib" in err
+    assert not (tmp_path / "passkey.png").exists()
+
+
 @pytest.fixture
 def files(tmp_path, run_dir, model_file):
     """The paths the misuses below name."""
@@ -69,6 +114,8 @@ def files(tmp_path, run_dir, model_file):
 GENERATE = ["generate", "--model", "{run}"]
 SAMPLE = ["sample", "--run-dir", "{run}"]
 EXPORT = ["export", "--run-dir", "{run}"]
+EVAL = ["eval", "--model", "{run}"]
+PASSKEY = [*EVAL, "--tasks", "passkey"]
 MISUSES = {  # argv ({name} is a path of ``files``) -> the error's message
     "generate-empty-prompt": ([*GENERATE, "--prompt", ""], "--prompt must not be empty"),
     "generate-empty-prompt-file": ([*GENERATE, "--prompt-file", "{empty}"],
@@ -109,6 +156,35 @@ MISUSES = {  # argv ({name} is a path of ``files``) -> the error's message
                                         "unrecognized arguments: --max 4"),
     "export-abbreviated-out": ([*EXPORT, "--out", "{tmp}/m.pt", "--o", "{tmp}/other.pt"],
                                "unrecognized arguments: --o {tmp}/other.pt"),
+    "eval-missing-model": (["eval", "--model", "{tmp}/no-run"],
+                           "--model {tmp}/no-run: no such file or directory"),
+    "eval-corrupt-model": (["eval", "--model", "{corrupt}"],
+                           "{corrupt}: not a readable model file"),
+    "eval-unknown-task": ([*EVAL, "--tasks", "perplexity,mmlu"],
+                          "--tasks takes comma-separated tasks of ('perplexity', 'passkey')"),
+    "eval-passkey-flag-without-the-task": ([*EVAL, "--passkey-lengths", "128"],
+                                           "--passkey-lengths applies to --tasks passkey"),
+    "eval-files-without-perplexity": ([*PASSKEY, "--files", "{empty}"],
+                                      "--files applies to --tasks perplexity"),
+    "eval-missing-files": ([*EVAL, "--files", "{missing}"],
+                           "--files {missing}: no such file, directory or glob match"),
+    "eval-non-utf8-files": ([*EVAL, "--files", "{latin1}"], "{latin1}: line 1: not UTF-8 text"),
+    "eval-seq-beyond-max-seq-len": ([*EVAL, "--seq", "129"],
+                                    "--seq must be in [1, max_seq_len=128], got 129"),
+    "eval-length-beyond-max-seq-len": ([*PASSKEY, "--passkey-lengths", "96,256"],
+                                       "passkey length 256 is outside [79, 128]"),
+    "eval-length-shorter-than-the-question": ([*PASSKEY, "--passkey-lengths", "40"],
+                                              "passkey length 40 is outside [79, 128]"),
+    "eval-length-not-a-number": ([*PASSKEY, "--passkey-lengths", "2k"],
+                                 "--passkey-lengths takes comma-separated ints, got '2k'"),
+    "eval-depth-above-100": ([*PASSKEY, "--passkey-depths", "0,50,120"],
+                             "passkey depth 120 is outside [0, 100]"),
+    "eval-depth-nan": ([*PASSKEY, "--passkey-depths", "nan"], "--passkey-depths must be finite"),
+    "eval-zero-trials": ([*PASSKEY, "--passkey-trials", "0"], "passkey trials must be >= 1"),
+    "eval-zero-batch-size": ([*EVAL, "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    "eval-json-in-missing-directory": ([*EVAL, "--json", "{tmp}/no/results.json"],
+                                       "--json {tmp}/no/results.json: not a file path in an "
+                                       "existing directory"),
 }
 
 

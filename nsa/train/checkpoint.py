@@ -25,8 +25,11 @@ import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -242,12 +245,13 @@ def data_state_for_rank(states: list[dict], ctx: DistContext, path: Path) -> dic
                      f"its data position cannot be split over {ctx.world_size} ranks")
 
 
-def atomic_save(state: dict, path: Path) -> None:
-    """torch.save to ``path`` such that ``path`` is either the old file or the complete new one."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path``: a
+    reader finds either the old file or the complete new one, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -255,6 +259,11 @@ def atomic_save(state: dict, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_save(state: dict, path: Path) -> None:
+    """torch.save to ``path`` such that ``path`` is either the old file or the complete new one."""
+    atomic_write(path, partial(torch.save, state))
 
 
 def _fsync_dir(path: Path) -> None:

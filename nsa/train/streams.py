@@ -1,14 +1,16 @@
-"""Training and validation token streams: the bundled corpus, synthetic tokens, and documents
-streamed from the Hugging Face hub (FineWeb-Edu) or read from local files.
+"""Training and validation token streams: the bundled corpus, synthetic tokens, passkey
+documents, and documents streamed from the Hugging Face hub (FineWeb-Edu) or read from local
+files.
 
 :func:`build_stream` makes them all. A stream yields one rank's batches ``(x [B, T], y [B, T])``
 of int64 tokens, ``y`` being ``x`` shifted by one token, and its position is a small dict of ints
 (``state_dict`` / ``load_state_dict``) from which a resumed run reads exactly the rows an unbroken
 run would have read next.
 
-Indexed streams (``"shakespeare"``, ``"synthetic"``): global batch ``index`` (``B * world_size``
-rows) is a pure function of (seed, stream, index) and rank r gets its rows [r * B, (r + 1) * B),
-so every world size sees the same rows for the same global batch. State: the next batch index.
+Indexed streams (``"shakespeare"``, ``"synthetic"``, ``"passkey..."``): global batch ``index``
+(``B * world_size`` rows) is a pure function of (seed, stream, index) and rank r gets its rows
+[r * B, (r + 1) * B), so every world size sees the same rows for the same global batch. State:
+the next batch index.
 
 Document streams (``"fineweb"``, ``"hf:<name>"``, local files) read the dataset's documents in
 order through ``datasets`` streaming. The first ``val_docs`` documents are the validation split,
@@ -52,6 +54,7 @@ from nsa.train.data import (
     split_tokens,
 )
 from nsa.train.errors import SetupError
+from nsa.train.passkey import PasskeyText, is_passkey_source, parse_passkey_source, passkey_batch
 from nsa.train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -107,7 +110,9 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
     """Rank ``rank``'s stream of ``split`` ("train" or "val") of ``source``.
 
     ``source``: "shakespeare" (the bundled corpus, its last ``val_fraction`` is "val"),
-    "synthetic" (uniform random tokens of the tokenizer's vocabulary), "fineweb" (FineWeb-Edu,
+    "synthetic" (uniform random tokens of the tokenizer's vocabulary), "passkey",
+    "passkey:MIN-MAX" or "passkey:MIN-MAX:LO-HI" (passkey documents of MIN to MAX tokens with
+    the key at LO to HI percent depth, :mod:`nsa.train.passkey`), "fineweb" (FineWeb-Edu,
     ``dataset_config`` default "sample-10BT"), "hf:<name>" (the "train" split of any hub dataset,
     ``dataset_config`` its config) or local files: a file, a directory or a glob of .txt (a
     document per file), .jsonl (a JSON object per line) or .parquet files.
@@ -133,13 +138,15 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
         batches = partial(synthetic_batch, seed=seed, stream=stream, batch_size=global_batch_size,
                           seq_len=seq_len, vocab_size=tokenizer.vocab_size)
         return IndexedStream(batches, global_batch_size, seq_len, rank, world_size)
+    if is_passkey_source(source):
+        text = PasskeyText(tokenizer)
+        batches = partial(passkey_batch, text=text,
+                          source=parse_passkey_source(source, text, seq_len + 1), seed=seed,
+                          stream=stream, batch_size=global_batch_size, seq_len=seq_len)
+        return IndexedStream(batches, global_batch_size, seq_len, rank, world_size)
     if source == "shakespeare":
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        tokens = torch.tensor(tokenizer.encode(read_corpus()), dtype=torch.int64)  # [N]
-        train_tokens, val_tokens = split_tokens(tokens, val_fraction)
-        sampler = BatchSampler(train_tokens if split == "train" else val_tokens,
-                               global_batch_size, seq_len, seed, stream)
+        sampler = BatchSampler(corpus_split(tokenizer, split, val_fraction), global_batch_size,
+                               seq_len, seed, stream)
         return IndexedStream(sampler.batch, global_batch_size, seq_len, rank, world_size)
     if split == "val" and val_docs < world_size:
         raise SetupError(f"val_docs={val_docs} leaves some of the {world_size} ranks without a "
@@ -150,6 +157,16 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
     return DocumentStream(spec, split, tokenizer=tokenizer, batch_size=batch_size,
                           seq_len=seq_len, rank=rank, world_size=world_size, val_docs=val_docs,
                           retries=retries, backoff_s=backoff_s)
+
+
+def corpus_split(tokenizer: Tokenizer, split: Split, val_fraction: float) -> torch.Tensor:
+    """[N] int64: ``split`` of the bundled corpus in ``tokenizer``'s tokens ("val": the last
+    ``val_fraction`` of them)."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    tokens = torch.tensor(tokenizer.encode(read_corpus()), dtype=torch.int64)  # [N]
+    train_tokens, val_tokens = split_tokens(tokens, val_fraction)
+    return train_tokens if split == "train" else val_tokens
 
 
 def local_batch_size(global_batch_size: int, world_size: int) -> int:
@@ -283,9 +300,9 @@ def resolve_local_files(source: str) -> tuple[str, tuple[str, ...]]:
     else:
         files = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
     if not files:
-        raise SetupError(f"source={source!r} is not 'shakespeare', 'synthetic', 'fineweb' or "
-                         "'hf:<name>', nor a file, directory or glob of .txt, .jsonl or .parquet "
-                         "files")
+        raise SetupError(f"source={source!r} is not 'shakespeare', 'synthetic', 'passkey...', "
+                         "'fineweb' or 'hf:<name>', nor a file, directory or glob of .txt, .jsonl "
+                         "or .parquet files")
     suffixes = sorted({p.suffix for p in files})
     if len(suffixes) > 1 or suffixes[0] not in LOCAL_BUILDERS:
         raise SetupError(f"source={source!r} must name files of one format, .txt, .jsonl or "
@@ -406,6 +423,15 @@ class DocumentStream:
     def reset(self) -> None:
         self._epoch = self._doc = self._offset = self._batches = 0
         self._tokens = self._texts = None
+
+    def texts(self) -> Iterator[str]:
+        """The texts of the rank's documents of the split, once each, in order, read as rows
+        read them (retries included); the stream is back at its first row afterwards."""
+        self.reset()
+        while (text := self._read_text()) is not None:
+            yield text
+            self._doc += 1
+        self.reset()
 
     def _take(self, count: int) -> np.ndarray:
         """The next ``count`` tokens of the packed stream: [count] int64."""

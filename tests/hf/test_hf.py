@@ -277,6 +277,20 @@ def test_nsa_generate_and_sample_read_the_directory(run_dir, hf_dir, capsys):
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+def test_nsa_eval_reads_the_directory(run_dir, hf_dir, tmp_path, capsys):
+    (tmp_path / "held_out.txt").write_text("JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n")
+    results = []
+    for model in (run_dir, hf_dir):
+        out = tmp_path / f"{model.name}.json"
+        nsa.cli.main(["eval", "--model", str(model), "--files", str(tmp_path / "held_out.txt"),
+                      "--tasks", "perplexity,passkey", "--passkey-lengths", "128",
+                      "--passkey-depths", "0,100", "--passkey-trials", "2", "--json", str(out)])
+        results.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    assert results[0]["perplexity"] == results[1]["perplexity"]
+    assert results[0]["passkey"] == results[1]["passkey"]
+
+
 def test_export_refuses_a_directory_that_is_not_empty(run_dir, hf_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         nsa.cli.main(["export", "--run-dir", str(run_dir), "--hf", str(hf_dir)])

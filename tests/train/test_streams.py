@@ -95,6 +95,15 @@ def test_val_split_is_the_first_documents_and_restarts(parquet_file):
     assert rows(stream, num_batches) == first
 
 
+def test_texts_are_the_documents_of_the_split_and_rank(parquet_file):
+    stream = stream_of(parquet_file, "val", batch_size=1)
+    first = stream.next_batch()
+    assert list(stream.texts()) == DOCS[:VAL_DOCS]
+    assert all(torch.equal(a, b) for a, b in zip(stream.next_batch(), first, strict=True))
+    second_rank = stream_of(parquet_file, rank=1, world_size=2)
+    assert list(second_rank.texts()) == DOCS[VAL_DOCS:][1::2]  # once each: no second epoch
+
+
 def documents_read(stream, num_batches: int) -> list[str]:
     """The whole documents in the next ``num_batches`` batches (the last one may be cut)."""
     return BYTES.decode(rows(stream, num_batches)).split("\0")[:-1]

@@ -1,0 +1,50 @@
+"""bench/quality.py end to end with a very small model: three variants trained on the bundled
+corpus, cut into documents, at equal tokens; their curves, passkey cells, JSON and plot."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+SPEC = importlib.util.spec_from_file_location(
+    "quality", Path(__file__).parents[2] / "bench" / "quality.py")
+quality = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(quality)
+
+SMALL = ["dim=32", "num_layers=1", "num_heads=2", "num_kv_heads=1", "head_dim_k=16",
+         "head_dim_v=16", "batch_size=2", "eval_steps=2", "warmup_steps=1", "num_threads=1"]
+
+
+def test_text_documents_are_paragraphs_of_at_least_min_chars_shuffled_by_seed():
+    text = "\n\n".join(f"paragraph {i} " + "x" * (i % 7) for i in range(40))
+    documents = quality.text_documents(text, 30, seed=1)
+    assert documents == quality.text_documents(text, 30, seed=1)
+    assert documents != quality.text_documents(text, 30, seed=2)
+    assert sum(len(d) < 30 for d in documents) <= 1  # only the last may be short
+    paragraphs = [p for d in documents for p in d.split("\n\n")]
+    assert sorted(paragraphs) == sorted(text.split("\n\n"))
+
+
+def test_three_variants_at_equal_tokens(tmp_path, capsys):
+    out = tmp_path / "quality"
+    quality.main(["--out", str(out), "--seq", "96", "--tokens", str(6 * 2 * 96), "--evals", "2",
+                  "--doc-masking", "--passkey-lengths", "96", "--passkey-depths", "0,100",
+                  "--passkey-trials", "2", *SMALL])
+    summary = json.loads((out / "quality.json").read_text())
+    assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
+    assert summary["max_steps"] == 6 and summary["tokens_per_step"] == 2 * 96
+    assert list(summary["runs"]) == ["nsa", "dense", "nsa-win"]
+    for name, run in summary["runs"].items():
+        config = json.loads((out / name / "config.json").read_text())
+        assert config["train"]["doc_masking"] and config["train"]["seq_len"] == 96
+        assert config["train"]["data"] == str(out / "corpus.jsonl")
+        assert config["model"]["attention"]["force_branch"] == ("win" if name == "nsa-win"
+                                                               else None)
+        assert [p["step"] for p in run["curve"]] == [3, 6]
+        assert [p["tokens"] for p in run["curve"]] == [3 * 192, 6 * 192]
+        assert 0 < run["curve"][0]["elapsed_s"] < run["curve"][1]["elapsed_s"]
+        assert [(c["length"], c["depth"]) for c in run["passkey"]] == [(96, 0), (96, 100)]
+    assert summary["runs"]["dense"]["parameters"] < summary["runs"]["nsa"]["parameters"]
+    assert "variant" in capsys.readouterr().out
