@@ -13,6 +13,7 @@ import nsa.models.decoding as decoding
 from nsa.models.decoding import sample_token
 from nsa.train import build_config
 from nsa.train.checkpoint import export_model, latest_checkpoint
+from tests.optional import needs_datasets
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
 LONG_PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 6  # > 128 bytes
@@ -61,6 +62,7 @@ def test_readme_sample_400_tokens_is_the_generate_loop(run_dir, capsys, monkeypa
 HELD_OUT = ["JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n" * 3, "Deny thy father.\n"]
 
 
+@needs_datasets
 def test_readme_eval_perplexity_and_passkey(run_dir, model_file, tmp_path, capsys):
     """'nsa eval --tasks perplexity,passkey ... --json': the same results from the run
     directory and its exported file, every held-out byte scored, a cell per length and depth."""
@@ -188,7 +190,11 @@ MISUSES = {  # argv ({name} is a path of ``files``) -> the error's message
 }
 
 
-@pytest.mark.parametrize("misuse", MISUSES)
+READS_DOCUMENTS = {"eval-non-utf8-files"}  # misuses found by the document reader (datasets)
+
+
+@pytest.mark.parametrize("misuse", [pytest.param(m, marks=needs_datasets) if m in READS_DOCUMENTS
+                                    else m for m in MISUSES])
 def test_a_misuse_gets_one_error_line(misuse, files, capsys, monkeypatch):
     monkeypatch.setattr(nsa.cli, "train", lambda *args, **kwargs: pytest.fail("it trained"))
     argv, message = MISUSES[misuse]

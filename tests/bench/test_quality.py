@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import needs_datasets
+
 pytest.importorskip("matplotlib")
 SPEC = importlib.util.spec_from_file_location(
     "quality", Path(__file__).parents[2] / "bench" / "quality.py")
@@ -27,6 +29,7 @@ def test_text_documents_are_paragraphs_of_at_least_min_chars_shuffled_by_seed():
     assert sorted(paragraphs) == sorted(text.split("\n\n"))
 
 
+@needs_datasets
 def test_three_variants_at_equal_tokens(tmp_path, capsys):
     out = tmp_path / "quality"
     quality.main(["--out", str(out), "--seq", "96", "--tokens", str(6 * 2 * 96), "--evals", "2",

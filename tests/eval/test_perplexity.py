@@ -15,6 +15,7 @@ from nsa.train import TrainConfig
 from nsa.train.data import read_corpus
 from nsa.train.errors import SetupError
 from nsa.train.tokenizer import ByteTokenizer
+from tests.optional import needs_datasets
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
 BYTES = ByteTokenizer()
@@ -146,6 +147,7 @@ def test_sources_without_text_ask_for_files(data):
         validation_texts(TrainConfig(data=data), BYTES)
 
 
+@needs_datasets
 def test_a_document_source_validation_split_is_its_first_documents(tmp_path):
     docs = [f"document {i}: " + "x" * i for i in range(12)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -153,6 +155,7 @@ def test_a_document_source_validation_split_is_its_first_documents(tmp_path):
     assert validation_texts(config, BYTES) == docs[:4]
 
 
+@needs_datasets
 def test_files_are_read_as_data_reads_them(tmp_path):
     for i, text in enumerate(TEXTS):
         (tmp_path / f"{i}.txt").write_text(text)

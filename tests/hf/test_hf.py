@@ -32,7 +32,7 @@ from nsa.train.checkpoint import (
     model_from_checkpoint,
 )
 from nsa.train.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
-from tests.optional import needs_lm_eval
+from tests.optional import needs_datasets, needs_lm_eval
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny ops: threads only wait
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -277,6 +277,7 @@ def test_nsa_generate_and_sample_read_the_directory(run_dir, hf_dir, capsys):
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+@needs_datasets
 def test_nsa_eval_reads_the_directory(run_dir, hf_dir, tmp_path, capsys):
     (tmp_path / "held_out.txt").write_text("JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n")
     results = []

@@ -95,6 +95,7 @@ def test_val_split_is_the_first_documents_and_restarts(parquet_file):
     assert rows(stream, num_batches) == first
 
 
+@needs_datasets
 def test_texts_are_the_documents_of_the_split_and_rank(parquet_file):
     stream = stream_of(parquet_file, "val", batch_size=1)
     first = stream.next_batch()
