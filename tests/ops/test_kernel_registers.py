@@ -1,0 +1,53 @@
+"""Register spills of the Triton kernels, compiled for Hopper (sm_90) on any machine: Triton's
+wheel carries ptxas and cuobjdump, so no GPU is needed. A kernel that spills registers to a
+per-thread stack works from local memory. The selection kernel's 3.5 KB stack (v6: products
+with overlap matrices) cost it 1.5x at 64k (bench/NOTES.md v8); its launch now keeps 424 B,
+and a change that brings the large spill back must show."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from nsa.ops.triton.launch import TUNING  # noqa: E402
+
+REPO = pathlib.Path(__file__).parents[2]
+TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+needs_cuda_tools = pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(),
+                                      reason="this Triton build has no CUDA tools")
+
+
+def sm90_stack(kernel: str, types: dict, constants: dict, num_warps: int,
+               num_stages: int) -> int:
+    """Stack bytes per thread of nsa.ops.triton.``kernel`` for sm_90 (tests/ops/sm90_stack.py,
+    in a process without the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    launch = dict(types=types, constants=constants, num_warps=num_warps, num_stages=num_stages)
+    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_stack", kernel,
+                             json.dumps(launch)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split()[-1])
+
+
+@needs_cuda_tools
+def test_selection_kernel_spills_little_at_the_paper_shape():
+    """G = 16, D = 128, l/d/l' = 32/16/64, n = 16 with the tuned launch (64 positions, 4 warps,
+    128 compressed tokens per step)."""
+    tuning = TUNING["select"]
+    tokens_per_block = 64 // 16
+    step_blocks = tuning["tokens"] // tokens_per_block
+    constants = dict(G=16, DK=128, BLOCK_DK=128, BLOCK_P=tuning["rows"], NUM_SELECTED=16,
+                     BEST=16, BJ=step_blocks, TOK_PAD=step_blocks * tokens_per_block,
+                     M_PAD=tokens_per_block, SPILL=1, CMP_BLOCK=32, CMP_STRIDE=16,
+                     SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False)
+    types = dict(Q="*bf16", KC="*bf16", LSE="*fp32", IDX="*i32", tile_start="*i32",
+                 tile_end="*i32", tile_seq_start="*i32", tile_cmp_start="*i32",
+                 scale_log2="fp32")
+    assert sm90_stack("selection._select_kernel", types, constants, tuning["num_warps"],
+                      tuning["num_stages"]) <= 512
