@@ -44,9 +44,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
         pos: [B] int64 position of the new token of each sequence.
         k_win, v_win: the window branch's keys/values, default ``k``, ``v``: [B, S, H, D] by
             position, or with ``window_ring`` a ring [B, w, H, D] holding position p at p % w.
-        backend: "auto" or "torch" (the PyTorch step), or "triton" (the fused Triton step,
-            nsa/ops/triton/decode.py). "auto" does not take Triton yet: on an H200 the fused
-            step gave wrong selected-branch outputs for some batch rows (issue 12).
+        backend: "auto" (the fused Triton step, nsa/ops/triton/decode.py, for CUDA tensors),
+            "torch" (the PyTorch step) or "triton".
         return_tokens_read: (PyTorch backend) also return what the step attended to.
 
     Returns:
@@ -56,7 +55,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, gates, pos, params: NSAParams, scale=None,
     scale = _scale(scale, q.shape[-1], q.dtype)
     # Past the cache's capacity, n, l' and l change nothing but what the step allocates.
     params = params.within(k.shape[1])
-    if backend != "auto" and _resolve_backend(backend, q, params) == "triton":
+    if _resolve_backend(backend, q, params) == "triton":
         if return_tokens_read:
             raise ValueError("return_tokens_read needs backend='torch'")
         return nsa_decode_triton(q, k, v, k_cmp, v_cmp, gates, pos, params, scale, k_win=k_win,

@@ -59,9 +59,25 @@ def compressed_count(length, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def masked_scores(q, k, valid, scale_log2, IEEE: tl.constexpr):
-    """Scores [rows, keys] of q against k in the units above; -inf where not ``valid``."""
-    return tl.where(valid, dot(q, tl.trans(k), IEEE) * score_scale(scale_log2), float("-inf"))
+def masked_products(q, k, valid, IEEE: tl.constexpr, MASKED: tl.constexpr = True):
+    """q·k [rows, keys], unscaled; -inf where not ``valid`` (all valid unless MASKED)."""
+    qk = dot(q, tl.trans(k), IEEE)
+    if MASKED:
+        qk = tl.where(valid, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def max_score(qk, scale_log2):
+    """Per row, the largest score (units above) of products qk [rows, keys]."""
+    return tl.max(qk, axis=1) * score_scale(scale_log2)
+
+
+@triton.jit
+def exp_from(qk, ref, scale_log2):
+    """exp2 of (score - ref) in the units above, for products qk [rows, keys] and per-row ref
+    (a score): one fused multiply-add and one multiply per pair."""
+    return tl.exp2(tl.fma(qk, score_scale(scale_log2), -ref[:, None]) * exp_scale(scale_log2))
 
 
 @triton.jit
@@ -95,13 +111,12 @@ def partial_tile(i, lo, full_lo, full_hi, STEP: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
-    """Fold a tile of scores (-inf where masked) and its values into (m, l, acc)."""
-    c = exp_scale(scale_log2)
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
+def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
+    """Fold a tile of products q·k (-inf where masked) and its values into (m, l, acc)."""
+    m_new = tl.maximum(m, max_score(qk, scale_log2))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((m - m_safe) * c)
-    p = tl.exp2((scores - m_safe[:, None]) * c)
+    alpha = tl.exp2((m - m_safe) * exp_scale(scale_log2))
+    p = exp_from(qk, m_safe, scale_log2)
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
@@ -109,16 +124,17 @@ def softmax_step(scores, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
 
 @triton.jit
 def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
-                PARTIAL: tl.constexpr):
+                PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold a tile of keys and values into the online softmax (m, l, acc) of the rows q. A
     PARTIAL tile multiplies the finite part of v, then adds NaN to the rows that see a
-    non-finite value (in a full tile p · v makes them non-finite; m and l stay as there)."""
-    scores = masked_scores(q, k, valid, scale_log2, IEEE)
+    non-finite value (in a full tile p · v makes them non-finite; m and l stay as there).
+    Without MASKED every pair counts (a full tile; its padding rows are never stored)."""
+    qk = masked_products(q, k, valid, IEEE, MASKED)
     if PARTIAL:
         v, v_poison = finite_part(v)
-        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
         return m, l, acc + tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
-    return softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    return softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
 
 
 @triton.jit
@@ -144,8 +160,7 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
                       PARTIAL: tl.constexpr = False):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
     tile dS is 0 where not ``valid``, whatever v, do and delta hold there."""
-    scores = dot(q, tl.trans(k), IEEE) * score_scale(scale_log2)
-    p = tl.where(valid, tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2)), 0.0)
+    p = tl.where(valid, exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
     if PARTIAL:
         ds = tl.where(valid, ds, 0.0)

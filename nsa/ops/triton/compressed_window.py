@@ -128,7 +128,7 @@ def _branch_fwd_kernel(
         k, v, valid = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
                                 stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
                                 BLOCK_DV, BLOCK_N)
-        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, False)
+        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, False, False)
     store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                BLOCK_DV)

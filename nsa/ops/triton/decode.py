@@ -70,9 +70,11 @@ from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
     attend_tile,
     compressed_count,
+    exp_from,
     exp_scale,
     load_tile,
-    masked_scores,
+    masked_products,
+    max_score,
     store_tile,
 )
 from nsa.ops.triton.launch import num_sms, pow2
@@ -160,7 +162,6 @@ def _compressed_kernel(
                             (a < TOK)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
     w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], blk_lo,
                             (ap < PRE)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
-    c_exp = exp_scale(scale_log2)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -170,19 +171,19 @@ def _compressed_kernel(
         at = ((b * C + i) * H + h) * DK
         k = load_tile(KC + at, ok, DK, BLOCK_DK)
         v = load_tile(VC + ((b * C + i) * H + h) * DV, ok, DV, BLOCK_DV)
-        s = masked_scores(q, k, ok[None, :], scale_log2, IEEE)
-        m_t = tl.max(s, axis=1)
+        qk = masked_products(q, k, ok[None, :], IEEE)
+        m_t = max_score(qk, scale_log2)
         if PRE > 0:
             ip = t * TOK - PRE + ap
             ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
             kp = load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK)
-            s_p = masked_scores(q, kp, ok_p[None, :], scale_log2, IEEE)
-            m_t = tl.maximum(m_t, tl.max(s_p, axis=1))
+            qk_p = masked_products(q, kp, ok_p[None, :], IEEE)
+            m_t = tl.maximum(m_t, max_score(qk_p, scale_log2))
         ref = tl.where(m_t == float("-inf"), 0.0, m_t)
-        p = tl.exp2((s - ref[:, None]) * c_exp)
+        p = exp_from(qk, ref, scale_log2)
         blk = tl.dot(p, w_own, input_precision="ieee")
         if PRE > 0:
-            blk += tl.dot(tl.exp2((s_p - ref[:, None]) * c_exp), w_pre, input_precision="ieee")
+            blk += tl.dot(exp_from(qk_p, ref, scale_log2), w_pre, input_precision="ieee")
         j = t * TB + c
         tl.store(BLK + rows[:, None] * NB + j[None, :], blk,
                  mask=row_ok[:, None] & ((c < TB) & (j < NB))[None, :])
@@ -198,7 +199,8 @@ def _compressed_kernel(
 
 
 @triton.jit
-def _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, j, pos, H, NB, NT, S1, NS2,
+def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, j, pos, H, NB, NT, S1,
+                 NS2,
                  NGS, scale_log2, G: tl.constexpr, BLOCK_G: tl.constexpr, S1_PAD: tl.constexpr,
                  BJ: tl.constexpr, TB: tl.constexpr, NSEL_PAD: tl.constexpr,
                  SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr):
@@ -216,7 +218,14 @@ def _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, j, pos, H, NB, N
     ref = tl.load(REF + rows[:, None] * NT + (block // TB)[None, :], mask=ok,
                   other=float("-inf"))
     weight = tl.exp2((ref - m_max[:, None]) * exp_scale(scale_log2)) * inv_sum[:, None]
-    score = tl.sum(part * weight, axis=0)  # [BJ] group score: the G heads' shares summed
+    # [BJ] group score: the G heads' shares summed. It goes through memory (SCORE row of
+    # (b, h), this CTA's own stores, ordered by the barrier) so the top-k sorts a plain 1-D
+    # tensor: on the H200, tl.topk of int64 keys built from the reduction's layout directly
+    # paired block indices with other blocks' scores (Triton 3.6; bench/NOTES.md, decode v2).
+    at = SCORE + (b * H + h) * NB + block
+    tl.store(at, tl.sum(part * weight, axis=0), mask=block < NB)
+    tl.debug_barrier()
+    score = tl.load(at, mask=candidate, other=0.0)
     top = tl.topk(block_keys(score, block, candidate, current, NUM_INIT, NUM_LOCAL), NSEL_PAD)
     tl.store(CAND + ((b * H + h) * NS2 + j) * NSEL_PAD + tl.arange(0, NSEL_PAD), top)
     if j == 0:  # kernel 3's tickets for (b, h) start at 0
@@ -245,7 +254,7 @@ def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, s
 
 @triton.jit
 def _select_kernel(
-    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, CAND, COUNTER, BASE,
+    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, COUNTER, BASE,
     P_M, P_L, P_ACC,
     H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, NWIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -264,8 +273,8 @@ def _select_kernel(
     h = pid_bh % H
     pos = tl.load(POS + b)
     if task < NS2:
-        _select_tile(PART_M, PART_L, BLK, REF, CAND, COUNTER, b, h, task, pos, H, NB, NT, S1,
-                     NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ, TB, NSEL_PAD, SEL_BLOCK,
+        _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, task, pos, H, NB, NT,
+                     S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ, TB, NSEL_PAD, SEL_BLOCK,
                      NUM_INIT, NUM_LOCAL)
     else:
         _, _, _, hq, row_ok = _head_rows(pid_bh * NGS + (task - NS2) // (1 + P_WIN), H, G, GS,
@@ -475,6 +484,7 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     part_m, part_l = torch.empty(B, HQ, S1, **f32), torch.empty(B, HQ, S1, **f32)
     part_acc = torch.empty(B, HQ, S1, Dv, **f32)
     blk, ref = torch.empty(B, HQ, NB, **f32), torch.empty(B, HQ, NT, **f32)
+    score = torch.empty(B, H, NB, **f32)
     cand = torch.empty(B, H, NS2, nsel_pad, dtype=torch.int64, device=q.device)
     counter = torch.empty(B, H, NGS, dtype=torch.int32, device=q.device)
     base = torch.empty(B, HQ, Dv, **f32)
@@ -494,8 +504,8 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
         SEL_BLOCK=params.sel_block, **shared, **launch)
     _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
-        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, cand, counter, base,
-        p_m, p_l, p_acc,
+        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, score, cand, counter,
+        base, p_m, p_l, p_acc,
         H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, window_tokens, scale_log2,
         BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, TB=TB, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,

@@ -17,7 +17,8 @@ TUNING = {
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
     # per step.
     "select": dict(rows=64, num_warps=4, num_stages=1, tokens=128),
-    # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned.
+    # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned;
+    # warps for head dim 128 (selected.py halves them for smaller heads).
     "selected_fwd": dict(num_warps=1, num_stages=2),
     "selected_dq": dict(num_warps=2, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),

@@ -29,7 +29,7 @@ from nsa.ops.triton.common import (
     dkdv_tile,
     dot,
     load_tile,
-    masked_scores,
+    masked_products,
     partial_tile,
     probs_and_dscores,
     softmax_step,
@@ -113,14 +113,14 @@ def _selected_fwd_kernel(
                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                      BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, True)
-        scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
-        m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+        qk = masked_products(q, k, k_ok[None, :], IEEE, BLOCK_S != SEL_BLOCK)
+        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
     k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, num_blocks - 1,
                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                  stride_vh, stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                  BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
-    scores = masked_scores(q, k, k_ok[None, :], scale_log2, IEEE)
-    m, l, acc = softmax_step(scores, m, l, acc, v, scale_log2, IEEE)
+    qk = masked_products(q, k, k_ok[None, :], IEEE)
+    m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
     store_rows(O + b * stride_ob + t * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                BLOCK_DV)
@@ -301,12 +301,15 @@ def _block_descriptors(k, v, params):
 
 def _selected_launch(kind: str, q, k, v, params) -> dict:
     """Meta-parameters and launch options of the selected forward or dq (one program per
-    position and KV head; no pipelining stages for head dims above 128: shared memory)."""
+    position and KV head; no pipelining stages for head dims above 128: shared memory; the
+    tuned warps are for head dim 128, halved per halving below it)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     tuning = TUNING[f"selected_{kind}"]
-    stages = 1 if pow2(max(Dk, Dv)) > 128 else tuning["num_stages"]
-    return dict(_selected_meta(q, k, v, params), BLOCK_G=pow2(G),
-                num_warps=tuning["num_warps"], num_stages=stages)
+    dim = pow2(max(Dk, Dv))
+    stages = 1 if dim > 128 else tuning["num_stages"]
+    warps = max(1, tuning["num_warps"] * min(dim, 128) // 128)
+    return dict(_selected_meta(q, k, v, params), BLOCK_G=pow2(G), num_warps=warps,
+                num_stages=stages)
 
 
 def selected_forward(q, k, v, idx, tables, params, scale):

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.params import LOG2E
-from nsa.ops.triton.common import compressed_count, dot, exp_scale, load_tile, score_scale
+from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile
 from nsa.ops.triton.launch import TUNING, pow2, shapes, strides
 from nsa.ops.triton.tables import tile_table
 
@@ -109,8 +109,7 @@ def _select_kernel(
         for g in range(G):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
-            scores = dot(q, tl.trans(kc), IEEE) * score_scale(scale_log2)
-            p += tl.exp2((scores - lse[:, None]) * exp_scale(scale_log2))
+            p += exp_from(dot(q, tl.trans(kc), IEEE), lse, scale_log2)
         # Invisible tokens (past a row's position or the sequence) may have summed to inf or
         # NaN: masked once per step, after the sum over heads.
         visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
