@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 
 def main(argv=None):
@@ -33,6 +34,7 @@ def main(argv=None):
                title=f"decode-step attention, B={B}")
         ax.set_xticks(contexts)
         ax.set_xticklabels([f"{t // 1024}k" for t in contexts])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("NSA vs dense decode attention, one H200, bf16, HQ=64, H=4, D=128")
