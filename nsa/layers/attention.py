@@ -12,7 +12,7 @@ from torch import nn
 from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
-from nsa.layers.rope import RotaryFrequencies, apply_rope
+from nsa.layers.rope import RotaryFrequencies, apply_rope, rope_angles, rotate
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
@@ -134,11 +134,11 @@ class NSAttention(nn.Module):
         un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D]."""
         c = self.config
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.rope.inv_freq)
+        angles = rope_angles(positions, self.rope.inv_freq)
+        q = rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
         k_src, v_src, k_slc, v_slc, k_win, v_win = self._kv(x)
-        k_slc = apply_rope(k_slc, positions, self.rope.inv_freq)
-        k_win = k_slc if self.num_kv_sets == 1 else apply_rope(k_win, positions, self.rope.inv_freq)
+        k_slc = rotate(k_slc, *angles)
+        k_win = k_slc if self.num_kv_sets == 1 else rotate(k_win, *angles)
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, index: torch.Tensor,
@@ -232,26 +232,22 @@ class NSAttention(nn.Module):
         c, p = self.config, self.config.nsa
         B = x.shape[0]
         q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, pos[:, None])
-        write_at(cache.k, pos, k_slc[:, 0])
-        write_at(cache.v, pos, v_slc[:, 0])
+        write_at((cache.k, cache.v), pos, (k_slc[:, 0], v_slc[:, 0]))
         if cache.k_win is not None:
-            write_at(cache.k_win, pos % p.window, k_win[:, 0])
-            write_at(cache.v_win, pos % p.window, v_win[:, 0])
-        write_at(cache.src_k, pos % p.cmp_block, k_src[:, 0])
-        write_at(cache.src_v, pos % p.cmp_block, v_src[:, 0])
+            write_at((cache.k_win, cache.v_win), pos % p.window, (k_win[:, 0], v_win[:, 0]))
+        write_at((cache.src_k, cache.src_v), pos % p.cmp_block, (k_src[:, 0], v_src[:, 0]))
         num_cmp = cache.k_cmp.shape[1]
         if num_cmp:  # compressed token i completes when position i·d + l - 1 is appended
-            start = pos - p.cmp_block + 1
+            start = pos - (p.cmp_block - 1)  # [B], its first position when one completes
             complete = (start >= 0) & (start % p.cmp_stride == 0)
             index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
-            slots = (index[:, None] * p.cmp_stride
+            slots = (start[:, None]
                      + torch.arange(p.cmp_block, device=x.device)) % p.cmp_block  # [B, l]
             gather = lambda ring: torch.gather(  # noqa: E731
                 ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
             k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v),
                                           index[:, None])
-            write_at(cache.k_cmp, index, k_new[:, 0], complete)
-            write_at(cache.v_cmp, index, v_new[:, 0], complete)
+            write_at((cache.k_cmp, cache.v_cmp), index, (k_new[:, 0], v_new[:, 0]), complete)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
                          self.gates(x)[:, 0], pos, p, k_win=cache.k_win,
                          v_win=cache.v_win, window_ring=cache.k_win is not None,
@@ -278,11 +274,11 @@ class DenseAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), positions,
-                       self.rope.inv_freq)
+        angles = rope_angles(positions, self.rope.inv_freq)
+        q = rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
         kv = self.kv_proj(x).view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
-        return q, apply_rope(k, positions, self.rope.inv_freq), v
+        return q, rotate(k, *angles), v
 
     def _attend(self, q, k, v, **mask) -> torch.Tensor:
         """SDPA over [B, T, heads, D] tensors -> [B, T, HQ * Dv]."""
@@ -317,8 +313,7 @@ class DenseAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseCache) -> torch.Tensor:
         q, k, v = self._project(x, pos[:, None])
-        write_at(cache.k, pos, k[:, 0])
-        write_at(cache.v, pos, v[:, 0])
+        write_at((cache.k, cache.v), pos, (k[:, 0], v[:, 0]))
         visible = torch.arange(cache.k.shape[1], device=x.device) <= pos[:, None]  # [B, S]
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),
                            attn_mask=visible[:, None, None, :])

@@ -39,16 +39,19 @@ class DenseCache:
     v: torch.Tensor
 
 
-def write_at(buffer: torch.Tensor, index: torch.Tensor, value: torch.Tensor,
-             enabled: torch.Tensor | None = None) -> None:
-    """buffer[b, index[b]] = value[b] for every b (where ``enabled[b]``), in place.
+def write_at(buffers: tuple[torch.Tensor, ...], index: torch.Tensor,
+             values: tuple[torch.Tensor, ...], enabled: torch.Tensor | None = None) -> None:
+    """buffer[b, index[b]] = value[b] for every b (where ``enabled[b]``) and every (buffer,
+    value) pair of ``buffers`` and ``values`` (a key cache and its value cache), in place.
 
     buffer [B, N, ...], index [B] int64 in [0, N), value [B, ...]."""
-    rows = torch.arange(buffer.shape[0], device=buffer.device)
-    if enabled is not None:
-        keep = enabled.view(-1, *([1] * (value.dim() - 1)))
-        value = torch.where(keep, value.to(buffer.dtype), buffer[rows, index])
-    buffer[rows, index] = value.to(buffer.dtype)
+    rows = torch.arange(buffers[0].shape[0], device=index.device)
+    for buffer, value in zip(buffers, values, strict=True):
+        value = value.to(buffer.dtype)
+        if enabled is not None:
+            keep = enabled.view(-1, *([1] * (value.dim() - 1)))
+            value = torch.where(keep, value, buffer[rows, index])
+        buffer[rows, index] = value
 
 
 def ring_from_prefix(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:

@@ -29,14 +29,24 @@ class RotaryFrequencies(nn.Module):
         return self
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] or
-    [B, T] (one row per sequence; float ok)."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)  # [(B,) T, D/2]
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin [B or 1, T, 1, D/2] of ``positions`` [T] or [B, T] (one row per sequence; float
+    ok): computed once, they rotate every tensor at these positions (:func:`rotate`)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [(B,) T, D/2]
     if angles.dim() == 2:
         angles = angles[None]
-    cos = angles.cos()[:, :, None, :]  # [B or 1, T, 1, D/2]
-    sin = angles.sin()[:, :, None, :]
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by the angles of
+    :func:`rope_angles`."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] or
+    [B, T] (one row per sequence; float ok)."""
+    return rotate(x, *rope_angles(positions, inv_freq))
