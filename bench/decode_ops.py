@@ -1,0 +1,101 @@
+"""Count the operations one decode step launches, NSA against dense, per layer and per token.
+
+    python bench/decode_ops.py                     # m7c-125m, on the CPU
+    python bench/decode_ops.py --preset tiny --batch 2
+
+A graphed decode step of a small model costs about the same per kernel whatever the kernel
+does (BENCHMARKS.md, Decoding v2: ~2.7 µs on an H200 for NSA and dense alike), so the count of
+kernels predicts tokens/s. This runs one ``decode_step`` of the preset (random weights,
+float32, after a prefill) under a dispatch mode that records every aten op except views
+(which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA they are the
+three fused Triton kernels, here the PyTorch step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nsa.layers.attention
+from nsa.models import LanguageModel, model_preset
+
+VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose",
+            "permute", "t", "slice", "select", "unsqueeze", "squeeze", "split",
+            "split_with_sizes", "unbind", "as_strided", "alias", "detach", "lift_fresh",
+            "flatten", "view_as", "empty"}
+FUSED_DECODE_KERNELS = 3  # nsa/ops/triton/decode.py
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the non-view aten ops dispatched while active, apart inside ``nsa_decode``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = collections.Counter()  # op name -> count, outside nsa_decode
+        self.attention = 0  # ops inside nsa_decode
+        self.inside_attention = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in VIEW_OPS:
+            if self.inside_attention:
+                self.attention += 1
+            else:
+                self.layer[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def nsa_decode(self, real):
+        def counted(*args, **kwargs):
+            self.inside_attention = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.inside_attention = False
+        return counted
+
+
+def count_decode_step(preset: str, kind: str, batch: int, prompt: int) -> OpCounter:
+    """The ops of one decode step of ``preset`` with ``kind`` attention after a prompt."""
+    config = model_preset(preset, kind=kind)
+    torch.manual_seed(0)
+    model = LanguageModel(config).eval()
+    cache = model.new_cache(batch, prompt + 8)
+    tokens = torch.randint(0, config.vocab_size, (batch, prompt))
+    counter = OpCounter()
+    with torch.no_grad():
+        model.prefill(tokens, cache, torch.full((batch,), prompt))
+        with mock.patch.object(nsa.layers.attention, "nsa_decode",
+                               counter.nsa_decode(nsa.layers.attention.nsa_decode)), counter:
+            model.decode_step(tokens[:, -1], cache)
+    return counter
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="m7c-125m")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=100)
+    parser.add_argument("--top", type=int, default=12, help="most frequent ops to list")
+    args = parser.parse_args(argv)
+    layers = model_preset(args.preset).num_layers
+    print(f"# {args.preset}, {layers} layers, B={args.batch}, one decode step on the CPU")
+    print("| attention | ops per token | per layer | + fused attention kernels (CUDA) | "
+          "most frequent |\n|---|---|---|---|---|")
+    rows = {}
+    for kind in ("nsa", "dense"):
+        counter = count_decode_step(args.preset, kind, args.batch, args.prompt)
+        total = sum(counter.layer.values())
+        launches = FUSED_DECODE_KERNELS * layers if counter.attention else 0
+        rows[kind] = total + launches
+        common = ", ".join(f"{n} {c}" for n, c in counter.layer.most_common(args.top))
+        print(f"| {kind} | {total} | {total / layers:.1f} | {launches} | {common} |")
+    print(f"\nNSA / dense kernels per token on CUDA: {rows['nsa'] / rows['dense']:.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""bench/decode_ops.py: the ops of one decode step, counted for NSA and dense."""
+
+import importlib.util
+from pathlib import Path
+
+SPEC = importlib.util.spec_from_file_location(
+    "decode_ops", Path(__file__).parents[2] / "bench" / "decode_ops.py")
+decode_ops = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(decode_ops)
+
+
+def test_nsa_step_counts_its_cache_writes_apart_from_the_attention():
+    nsa = decode_ops.count_decode_step("tiny", "nsa", batch=2, prompt=40)
+    dense = decode_ops.count_decode_step("tiny", "dense", batch=2, prompt=40)
+    layers = decode_ops.model_preset("tiny").num_layers
+    assert nsa.attention > 0 and dense.attention == 0
+    # per layer: NSA writes k/v, the window ring, the compressor ring and the compressed
+    # tokens (4 pairs); dense writes k/v (1 pair)
+    assert nsa.layer["index_put_"] == 8 * layers
+    assert dense.layer["index_put_"] == 2 * layers
+    assert not set(nsa.layer) & decode_ops.VIEW_OPS and not set(dense.layer) & decode_ops.VIEW_OPS
+    assert sum(nsa.layer.values()) > sum(dense.layer.values()) > 0
+
+
+def test_main_prints_the_table_and_the_ratio(capsys):
+    rows = decode_ops.main(["--preset", "tiny", "--batch", "2", "--prompt", "40"])
+    out = capsys.readouterr().out
+    assert "| nsa |" in out and "| dense |" in out
+    assert f"{rows['nsa'] / rows['dense']:.2f}" in out
