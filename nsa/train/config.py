@@ -55,6 +55,12 @@ class TrainConfig:
     data_backoff_s: float = 2.0
     # Parallelism under torchrun: "none", "ddp" or "fsdp" (FSDP2). batch_size is global.
     parallel: str = "none"
+    # FSDP2 only: free each block's gathered parameters after its forward and gather them again
+    # for its backward (less memory), or keep them until the backward (one all-gather per block
+    # and step); and how many blocks ahead to gather explicitly, in forward and in backward
+    # (0: FSDP2's own prefetching).
+    fsdp_reshard: bool = True
+    fsdp_prefetch: int = 0
     activation_checkpointing: bool = False  # per block, non-reentrant
     compile: bool = False  # torch.compile per block
     keep_checkpoints: int = 3  # newest checkpoints kept
@@ -99,6 +105,11 @@ class TrainConfig:
                              f"{self.tokenizer!r}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"parallel must be one of {PARALLEL}, got {self.parallel!r}")
+        if self.fsdp_prefetch < 0:
+            raise ValueError(f"fsdp_prefetch must be >= 0, got {self.fsdp_prefetch}")
+        if self.parallel != "fsdp" and (not self.fsdp_reshard or self.fsdp_prefetch):
+            raise ValueError(f"fsdp_reshard and fsdp_prefetch tune FSDP2: they need "
+                             f"parallel=fsdp, got parallel={self.parallel}")
         for name in ("val_docs", "data_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

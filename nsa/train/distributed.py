@@ -132,10 +132,14 @@ def fail_together(error: Exception | None, ctx: DistContext,
 
 
 def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
-               compile_blocks: bool) -> nn.Module:
+               compile_blocks: bool, fsdp_reshard: bool = True,
+               fsdp_prefetch: int = 0) -> nn.Module:
     """Per-block torch.compile, then DDP or FSDP2 (``fully_shard`` per block, then the root).
 
-    FSDP2 keeps bf16 parameters for compute (``bf16``) and reduces gradients in float32.
+    FSDP2 keeps bf16 parameters for compute (``bf16``) and reduces gradients in float32; each
+    block frees its gathered parameters after its forward (``fsdp_reshard``) or keeps them for
+    its backward, and gathers the next ``fsdp_prefetch`` blocks' (0: FSDP2's own order) ahead
+    of use, in forward and in backward.
     """
     if parallel not in PARALLEL:
         raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
@@ -156,13 +160,19 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
                                       reduce_dtype=torch.float32)
         # Decoding enters blocks and the root through methods other than forward: FSDP must
         # gather their parameters around those calls too.
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
+        blocks = list(model.blocks)
+        for block in blocks:
+            fully_shard(block, mp_policy=policy, reshard_after_forward=fsdp_reshard)
             for method in ("prefill", "decode"):
                 register_fsdp_forward_method(block, method)
         fully_shard(model, mp_policy=policy)
         for method in ("prefill", "decode_step"):
             register_fsdp_forward_method(model, method)
+        if fsdp_prefetch:
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + fsdp_prefetch])
+                block.set_modules_to_backward_prefetch(
+                    blocks[max(0, i - fsdp_prefetch):i][::-1])
     return model
 
 

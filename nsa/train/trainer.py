@@ -116,7 +116,8 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
     bf16 = t.autocast and device.type == "cuda"
     check_disk_space(run_dir, model)
-    model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile)
+    model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile,
+                       fsdp_reshard=t.fsdp_reshard, fsdp_prefetch=t.fsdp_prefetch)
     optimizer = build_optimizer(model, t)
     start = 0
     if resume:

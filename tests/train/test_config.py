@@ -80,11 +80,21 @@ def test_value_keeps_equals_signs():
     ("min_lr=1", "min_lr"),  # above lr
     ("seq_len=4096", "seq_len"),  # above max_seq_len
     ("device=tpu", "device"),
+    ("fsdp_prefetch=-1", "fsdp_prefetch"),
+    ("fsdp_reshard=false", "fsdp_reshard"),  # parallel=none: FSDP2 options refused
+    ("fsdp_prefetch=1", "fsdp_prefetch"),
     ("dim", "dim"),  # no '='
 ])
 def test_bad_override_raises_naming_the_key(override, named):
     with pytest.raises(ValueError, match=named):
         build_config("tiny", [override])
+
+
+def test_fsdp_options_go_with_fsdp():
+    train = build_config("tiny", ["parallel=fsdp", "fsdp_reshard=false", "fsdp_prefetch=2"]).train
+    assert (train.fsdp_reshard, train.fsdp_prefetch) == (False, 2)
+    with pytest.raises(ValueError, match="need parallel=fsdp, got parallel=ddp"):
+        build_config("tiny", ["parallel=ddp", "fsdp_prefetch=1"])
 
 
 def test_doc_masking_needs_documents():

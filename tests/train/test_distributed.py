@@ -37,10 +37,15 @@ def single_run(tmp_path_factory):
     return run_dir, run_single(run_dir, "max_steps=6")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", [
+    ["parallel=ddp"],
+    ["parallel=fsdp"],
+    # parameters kept gathered from forward to backward, the next block gathered explicitly
+    ["parallel=fsdp", "fsdp_reshard=false", "fsdp_prefetch=1"],
+], ids=["ddp", "fsdp", "fsdp-keep-prefetch"])
 def test_two_ranks_match_one_process_and_resume_on_one(tmp_path, single_run, parallel):
     single_dir, single = single_run
-    two = run_two_ranks(tmp_path, f"parallel={parallel}", "max_steps=4")
+    two = run_two_ranks(tmp_path, *parallel, "max_steps=4")
     assert sorted(two) == [1, 2, 3, 4]
     for step, loss in two.items():
         assert loss == pytest.approx(single[step], rel=1e-5, abs=1e-6), step
