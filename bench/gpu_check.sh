@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What a GPU-facing change must pass on the GPU, in one device call. From the repository root:
+#
+#   OUT=/path/to/results bash bench/gpu_check.sh [tests] [user]     (default: both)
+#
+# tests: the whole suite on CUDA (pytest-xdist with $JOBS workers when installed), verbose,
+#        so that the failing tests are named even if the call's time runs out: $OUT/tests.log,
+#        and $OUT/failed.txt (one line per failed or erroring test). $TESTS narrows it.
+# user:  the real user path: m7c-125m ($PRESET) trained $STEPS (40) steps in bf16 on the
+#        bundled corpus (bytes tokenizer: no download), ending with its sample, then
+#        `nsa generate` from the run (CUDA graphs): $OUT/train.log, $OUT/generate.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/nsa-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+PY=${PYTHON:-python3}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests user)
+status=0  # a failing stage does not stop the next one; the exit status says whether any failed
+for stage in "${stages[@]}"; do
+    case $stage in
+    tests)
+        parallel=()
+        $PY -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-14}")
+        $PY -m pytest -v -rfE --tb=short -p no:cacheprovider "${parallel[@]}" ${TESTS:-tests} \
+            > "$OUT/tests.log" 2>&1 || status=1
+        grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | sort -u > "$OUT/failed.txt"
+        echo "tests: $(tail -1 "$OUT/tests.log")"
+        echo "failed or erroring: $(wc -l < "$OUT/failed.txt")"; cat "$OUT/failed.txt" ;;
+    user)
+        RUN=${RUN_DIR:-/tmp/nsa-gpu-check-run}
+        $PY -m nsa.train --preset "${PRESET:-m7c-125m}" --overwrite data=shakespeare tokenizer=bytes \
+            max_steps=${STEPS:-40} log_interval=10 eval_interval=20 eval_steps=2 \
+            checkpoint_interval=40 sample_prompt="ROMEO:" sample_tokens=200 \
+            run_dir="$RUN" > "$OUT/train.log" 2>&1
+        code=$?; [ $code -eq 0 ] || status=1
+        echo "train: exit $code"; tail -4 "$OUT/train.log"
+        $PY -m nsa.cli generate --model "$RUN" --prompt "ROMEO:" --max-tokens 300 \
+            > "$OUT/generate.log" 2>&1
+        code=$?; [ $code -eq 0 ] || status=1
+        echo "generate: exit $code"; tail -3 "$OUT/generate.log" ;;
+    *) echo "unknown stage $stage (tests, user)" >&2; exit 2 ;;
+    esac
+done
+exit $status
