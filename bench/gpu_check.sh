@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a GPU-facing change must pass on the GPU, in one device call. From the repository root:
 #
-#   OUT=/path/to/results bash bench/gpu_check.sh [tests] [user]     (default: both)
+#   OUT=/path/to/results bash bench/gpu_check.sh [env] [tests] [user]   (default: all three)
 #
+# env:   the GPU, and the versions of the packages the project and `datasets` read there.
 # tests: the whole suite on CUDA (pytest-xdist with $JOBS workers when installed), verbose,
 #        so that the failing tests are named even if the call's time runs out: $OUT/tests.log,
 #        and $OUT/failed.txt (one line per failed or erroring test). $TESTS narrows it.
@@ -15,10 +16,23 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests user)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests user)
 status=0  # a failing stage does not stop the next one; the exit status says whether any failed
 for stage in "${stages[@]}"; do
     case $stage in
+    env)
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+            || echo "no nvidia-smi"
+        $PY - <<'PY'
+import importlib.metadata as metadata
+for name in ("torch", "triton", "transformers", "safetensors", "huggingface_hub", "pyarrow",
+             "pandas", "fsspec", "numpy", "tqdm", "pyyaml", "datasets", "lm_eval"):
+    try:
+        print(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        print(f"{name} not installed")
+PY
+        ;;
     tests)
         parallel=()
         $PY -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-14}")
@@ -39,7 +53,7 @@ for stage in "${stages[@]}"; do
             > "$OUT/generate.log" 2>&1
         code=$?; [ $code -eq 0 ] || status=1
         echo "generate: exit $code"; tail -3 "$OUT/generate.log" ;;
-    *) echo "unknown stage $stage (tests, user)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (env, tests, user)" >&2; exit 2 ;;
     esac
 done
 exit $status
