@@ -226,9 +226,13 @@ class NSAttention(nn.Module):
         cache.src_v.copy_(ring_from_prefix(v_src, lengths, p.cmp_block))
         return out
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache,
+               compress: bool = True) -> torch.Tensor:
         """One new token per sequence: x [B, 1, dim] at positions ``pos`` [B] -> [B, 1, dim].
-        Appends its keys/values (and a compressed token when one completes) to ``cache``."""
+        Appends its keys/values (and a compressed token when one completes) to ``cache``.
+        ``compress=False`` skips the compressed-token update (about 40 small ops): right only
+        for a step at which no sequence completes a compressed token, which a caller that
+        knows the positions can tell (:func:`completes_compressed_token`)."""
         c, p = self.config, self.config.nsa
         B = x.shape[0]
         q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, pos[:, None])
@@ -237,7 +241,7 @@ class NSAttention(nn.Module):
             write_at((cache.k_win, cache.v_win), pos % p.window, (k_win[:, 0], v_win[:, 0]))
         write_at((cache.src_k, cache.src_v), pos % p.cmp_block, (k_src[:, 0], v_src[:, 0]))
         num_cmp = cache.k_cmp.shape[1]
-        if num_cmp:  # compressed token i completes when position i·d + l - 1 is appended
+        if num_cmp and compress:  # compressed token i completes when i·d + l - 1 is appended
             start = pos - (p.cmp_block - 1)  # [B], its first position when one completes
             complete = (start >= 0) & (start % p.cmp_stride == 0)
             index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
@@ -311,13 +315,24 @@ class DenseAttention(nn.Module):
         cache.v[:, :x.shape[1]] = v
         return self.o_proj(self._attend(q, k, v, is_causal=True))
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseCache) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseCache,
+               compress: bool = True) -> torch.Tensor:
+        """:meth:`NSAttention.decode` for dense attention (``compress`` has nothing to skip)."""
         q, k, v = self._project(x, pos[:, None])
         write_at((cache.k, cache.v), pos, (k[:, 0], v[:, 0]))
         visible = torch.arange(cache.k.shape[1], device=x.device) <= pos[:, None]  # [B, S]
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),
                            attn_mask=visible[:, None, None, :])
         return self.o_proj(out)
+
+
+def completes_compressed_token(config: AttentionConfig, position: int) -> bool:
+    """Whether appending ``position`` completes a compressed token of a layer of ``config``
+    (token i completes at position i·d + l - 1); never for dense attention."""
+    if config.kind != "nsa":
+        return False
+    start = position - (config.nsa.cmp_block - 1)
+    return start >= 0 and start % config.nsa.cmp_stride == 0
 
 
 def attention_layer(config: AttentionConfig) -> nn.Module:

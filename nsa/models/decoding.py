@@ -95,7 +95,9 @@ class GraphedDecodeStep:
     """``model.decode_step`` captured once in a CUDA graph and replayed for every token: one
     launch per step instead of hundreds of small ones. The cache's buffers (lengths included)
     are the graph's static memory, so it serves exactly the ``cache`` it was built for, and
-    stays valid across prefills, which write into those same buffers."""
+    stays valid across prefills, which write into those same buffers. An NSA model gets a
+    second graph without the compressed-token update, for the steps that complete none
+    (``compress=False``)."""
 
     def __init__(self, model: LanguageModel, cache: ModelCache):
         if cache.lengths.device.type != "cuda":
@@ -103,15 +105,18 @@ class GraphedDecodeStep:
                              f"{cache.lengths.device}")
         self.tokens = torch.zeros_like(cache.lengths)
         lengths = cache.lengths.clone()
+        variants = (True, False) if model.config.attention.kind == "nsa" else (True,)
         # The warm-up runs write keys/values at the current positions and advance the lengths;
         # restoring the lengths makes the next real step overwrite what they wrote.
-        self.graph, self.logits = capture_cuda_graph(
-            lambda: model.decode_step(self.tokens, cache), lambda: cache.lengths.copy_(lengths))
+        self.graphs = {compress: capture_cuda_graph(
+            partial(model.decode_step, self.tokens, cache, compress),
+            lambda: cache.lengths.copy_(lengths)) for compress in variants}
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, compress: bool = True) -> torch.Tensor:
+        graph, logits = self.graphs.get(compress, self.graphs[True])
         self.tokens.copy_(tokens)
-        self.graph.replay()
-        return self.logits
+        graph.replay()
+        return logits
 
 
 def stream_tokens(model: LanguageModel, prompt: torch.Tensor, max_new_tokens: int, *,
@@ -158,5 +163,5 @@ def _sample(model: LanguageModel, prompt: torch.Tensor, max_new_tokens: int,
             position = keep
         else:
             cached[:, position] = token
-            logits = step(token)
+            logits = step(token, compress=model.completes_compressed_token(position))
             position += 1

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nsa.layers.attention import attention_layer
+from nsa.layers.attention import attention_layer, completes_compressed_token
 from nsa.layers.documents import PackedDocuments, pack_documents
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
@@ -43,8 +43,9 @@ class Block(nn.Module):
         x = x + self.attn.prefill(self.attn_norm(x), lengths, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        x = x + self.attn.decode(self.attn_norm(x), pos, cache)
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache, compress: bool = True
+               ) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), pos, cache, compress)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -177,16 +178,24 @@ class LanguageModel(nn.Module):
         last = x[torch.arange(B, device=x.device), lengths - 1]  # [B, dim]
         return self.head(self.norm(last))
 
-    def decode_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, cache: ModelCache,
+                    compress: bool = True) -> torch.Tensor:
         """One token per sequence, tokens [B] at positions ``cache.lengths`` -> logits
         [B, vocab]. No host sync and static shapes (capturable in a CUDA graph); the caller
-        keeps lengths below the cache capacity."""
+        keeps lengths below the cache capacity. ``compress=False`` skips NSA's
+        compressed-token update, for a caller that knows no sequence completes a compressed
+        token at this step (:meth:`completes_compressed_token`): most steps, d - 1 in d."""
         pos = cache.lengths
         x = self.embed(tokens)[:, None]  # [B, 1, dim]
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
-            x = block.decode(x, pos, layer_cache)
+            x = block.decode(x, pos, layer_cache, compress)
         cache.lengths += 1
         return self.head(self.norm(x[:, 0]))
+
+    def completes_compressed_token(self, position: int) -> bool:
+        """Whether a decode step at ``position`` completes a compressed token (then it needs
+        ``compress=True``); never for dense attention."""
+        return completes_compressed_token(self.config.attention, position)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -20,10 +20,14 @@ def test_nsa_step_counts_its_cache_writes_apart_from_the_attention():
     assert dense.layer["index_put_"] == 2 * layers
     assert not set(nsa.layer) & decode_ops.VIEW_OPS and not set(dense.layer) & decode_ops.VIEW_OPS
     assert sum(nsa.layer.values()) > sum(dense.layer.values()) > 0
+    skipped = decode_ops.count_decode_step("tiny", "nsa", batch=2, prompt=40, compress=False)
+    assert skipped.layer["index_put_"] == 6 * layers  # no compressed-token write
+    assert sum(dense.layer.values()) < sum(skipped.layer.values()) < sum(nsa.layer.values())
 
 
 def test_main_prints_the_table_and_the_ratio(capsys):
     rows = decode_ops.main(["--preset", "tiny", "--batch", "2", "--prompt", "40"])
     out = capsys.readouterr().out
-    assert "| nsa |" in out and "| dense |" in out
-    assert f"{rows['nsa'] / rows['dense']:.2f}" in out
+    assert "| nsa, completing a compressed token |" in out and "| dense |" in out
+    assert f"{rows['nsa, mean'] / rows['dense']:.2f} averaged" in out
+    assert rows["dense"] < rows["nsa, mean"] < rows["nsa, completing a compressed token"]

@@ -1,6 +1,9 @@
 """Decoding: prefill + one decode step per token equals one full forward, for mixed-length
 batches, across compression-block boundaries, every G and both K/V sharing modes."""
 
+import copy
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -52,6 +55,60 @@ def test_prefill_and_decode_equal_one_forward(heads, kv_sharing):
     for (b, position), logits in produced.items():
         torch.testing.assert_close(logits, full[b, position], rtol=1e-9, atol=1e-9,
                                    msg=f"sequence {b}, position {position}")
+
+
+def test_skipping_the_compressed_update_changes_only_the_steps_that_complete_one():
+    """decode_step(compress=False) leaves the cache and logits exactly as compress=True at
+    every position where model.completes_compressed_token says no token completes, and
+    leaves the compressed tokens behind where it says one does."""
+    model = model_for(4, 2)
+    tokens = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(3))
+    completing = []
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, T)
+        model.prefill(tokens[:, :3], cache)
+        for position in range(3, T):
+            skipped = copy.deepcopy(cache)
+            logits_skipped = model.decode_step(tokens[:, position], skipped, compress=False)
+            logits = model.decode_step(tokens[:, position], cache)
+            torch.testing.assert_close(logits, full[:, position], rtol=1e-9, atol=1e-9)
+            same = [torch.equal(getattr(a, f.name), getattr(b, f.name))
+                    for a, b in zip(skipped.layers, cache.layers) for f in fields(a)
+                    if getattr(a, f.name) is not None]
+            if model.completes_compressed_token(position):
+                completing.append(position)
+                assert not all(same), position
+            else:
+                assert all(same) and torch.equal(logits_skipped, logits), position
+    assert completing == list(range(3, T, 2))  # i·d + l - 1 with l = 4, d = 2
+
+
+def test_generation_skips_the_compressed_update_exactly_where_none_completes():
+    model = model_for(4, 2)
+    prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(4))
+    decode_step, calls = model.decode_step, []
+
+    def recorded(tokens, cache, compress=True):
+        calls.append((int(cache.lengths[0]), compress))
+        return decode_step(tokens, cache, compress)
+
+    model.decode_step = recorded
+    with torch.no_grad():
+        generated = model.generate(prompt, 30, top_k=1)  # greedy
+    del model.decode_step
+    assert [position for position, _ in calls] == list(range(5, 34))
+    assert all(compress == (position % 2 == 1) for position, compress in calls)  # l=4, d=2
+    with torch.no_grad():
+        cache = model.new_cache(2, 34)
+        logits = model.prefill(prompt, cache)
+        expected = [prompt]
+        for step in range(30):
+            expected.append(logits.argmax(-1, keepdim=True))
+            if step < 29:  # the last token is not fed
+                logits = model.decode_step(expected[-1][:, 0], cache)  # compress=True always
+    assert torch.equal(generated, torch.cat(expected, 1))
+    assert not model_for(4, 2, attention="dense").completes_compressed_token(3)
 
 
 def test_dense_model_decodes_like_its_forward():
@@ -145,6 +202,32 @@ def test_gpu_decode_with_triton_prefill_and_cuda_graph(autocast):
                                                atol=tolerance)
         generated = model.generate(tokens[:, :20], 30, top_k=5)
     assert generated.shape == (2, 50) and bool((generated < 50).all())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_graphs_with_and_without_the_compressed_update_equal_the_forward():
+    """The graphed step's two graphs (an NSA model's steps that complete a compressed token,
+    and the others, without the update) replayed as the sampling loop picks them."""
+    from nsa.models.decoding import GraphedDecodeStep
+
+    config = replace_fields(
+        ModelConfig(), vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16, cmp_stride=8, sel_block=32,
+        num_selected=4, window=48)
+    torch.manual_seed(0)
+    model = LanguageModel(config).cuda().eval()
+    tokens = torch.randint(0, 50, (2, 160), device="cuda")
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 160)
+        step = GraphedDecodeStep(model, cache)
+        assert set(step.graphs) == {True, False}
+        model.prefill(tokens[:, :21], cache)
+        for position in range(21, 160):
+            compress = model.completes_compressed_token(position)
+            logits = step(tokens[:, position], compress=compress)
+            torch.testing.assert_close(logits, full[:, position], rtol=1e-3, atol=1e-3,
+                                       msg=f"position {position}, compress={compress}")
 
 
 def test_autocast_decode_with_triton_kernels():

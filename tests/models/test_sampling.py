@@ -97,10 +97,10 @@ def test_the_decode_step_serves_one_cache_across_prefills(monkeypatch):
             self.calls = 0
             built.append(self)
 
-        def __call__(self, tokens):
+        def __call__(self, tokens, compress=True):
             assert [t.data_ptr() for t in cache_buffers(self.cache)] == self.buffers
             self.calls += 1
-            return self.model.decode_step(tokens, self.cache)
+            return self.model.decode_step(tokens, self.cache, compress)
 
     monkeypatch.setattr(decoding, "GraphedDecodeStep", BufferBoundStep)
     model = small_model(16)
