@@ -170,6 +170,16 @@ def test_sample_token_top_k_and_top_p():
 CUDA = torch.cuda.is_available()
 
 
+def gpu_model():
+    """A two-layer NSA model on the GPU whose blocks and window fit 200-token tests."""
+    config = replace_fields(
+        ModelConfig(), vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16, cmp_stride=8, sel_block=32,
+        num_selected=4, window=48)
+    torch.manual_seed(0)
+    return LanguageModel(config).cuda().eval()
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
 def test_gpu_decode_with_triton_prefill_and_cuda_graph(autocast):
@@ -178,12 +188,7 @@ def test_gpu_decode_with_triton_prefill_and_cuda_graph(autocast):
     weights under bf16 autocast (bf16 queries and cache); ``generate`` runs in both."""
     from nsa.models.decoding import GraphedDecodeStep
 
-    config = replace_fields(
-        ModelConfig(), vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
-        head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16, cmp_stride=8, sel_block=32,
-        num_selected=4, window=48)
-    torch.manual_seed(0)
-    model = LanguageModel(config).cuda().eval()
+    model = gpu_model()
     tokens = torch.randint(0, 50, (2, 200), device="cuda")
     tolerance = 5e-2 if autocast else 1e-3
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
@@ -210,12 +215,7 @@ def test_gpu_graphs_with_and_without_the_compressed_update_equal_the_forward():
     and the others, without the update) replayed as the sampling loop picks them."""
     from nsa.models.decoding import GraphedDecodeStep
 
-    config = replace_fields(
-        ModelConfig(), vocab_size=50, dim=64, num_layers=2, num_heads=8, num_kv_heads=2,
-        head_dim_k=32, head_dim_v=32, max_seq_len=256, cmp_block=16, cmp_stride=8, sel_block=32,
-        num_selected=4, window=48)
-    torch.manual_seed(0)
-    model = LanguageModel(config).cuda().eval()
+    model = gpu_model()
     tokens = torch.randint(0, 50, (2, 160), device="cuda")
     with torch.no_grad():
         full = model(tokens)
