@@ -241,9 +241,8 @@ class NSAttention(nn.Module):
             write_at((cache.k_win, cache.v_win), pos % p.window, (k_win[:, 0], v_win[:, 0]))
         write_at((cache.src_k, cache.src_v), pos % p.cmp_block, (k_src[:, 0], v_src[:, 0]))
         num_cmp = cache.k_cmp.shape[1]
-        if num_cmp and compress:  # compressed token i completes when i·d + l - 1 is appended
-            start = pos - (p.cmp_block - 1)  # [B], its first position when one completes
-            complete = (start >= 0) & (start % p.cmp_stride == 0)
+        if num_cmp and compress:
+            start, complete = completing_block(p, pos)  # [B], [B]
             index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
             slots = (start[:, None]
                      + torch.arange(p.cmp_block, device=x.device)) % p.cmp_block  # [B, l]
@@ -326,13 +325,18 @@ class DenseAttention(nn.Module):
         return self.o_proj(out)
 
 
+def completing_block(params: NSAParams, position):
+    """Compressed token i completes when position i·d + l - 1 is appended: -> (the first
+    position of the block that appending ``position`` would complete, whether it does), for
+    an int or a tensor of positions."""
+    start = position - (params.cmp_block - 1)
+    return start, (start >= 0) & (start % params.cmp_stride == 0)
+
+
 def completes_compressed_token(config: AttentionConfig, position: int) -> bool:
-    """Whether appending ``position`` completes a compressed token of a layer of ``config``
-    (token i completes at position i·d + l - 1); never for dense attention."""
-    if config.kind != "nsa":
-        return False
-    start = position - (config.nsa.cmp_block - 1)
-    return start >= 0 and start % config.nsa.cmp_stride == 0
+    """Whether appending ``position`` completes a compressed token of a layer of ``config``;
+    never for dense attention."""
+    return config.kind == "nsa" and completing_block(config.nsa, position)[1]
 
 
 def attention_layer(config: AttentionConfig) -> nn.Module:
