@@ -6,9 +6,9 @@
 A graphed decode step of a small model costs about the same per kernel whatever the kernel
 does (BENCHMARKS.md, Decoding v2: ~2.7 µs on an H200 for NSA and dense alike), so the count of
 kernels predicts tokens/s. This runs one ``decode_step`` of the preset (random weights,
-float32, after a prefill) under a dispatch mode that records every aten op except views
-(which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA they are the
-three fused Triton kernels, here the PyTorch step.
+float32, after a prefill) under a dispatch mode that records every aten op except views and
+allocations (which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA
+they are the three fused Triton kernels, here the PyTorch step.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nsa.layers.attention
 from nsa.models import LanguageModel, model_preset
 
-VIEW_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose",
+NO_KERNEL_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose",
             "permute", "t", "slice", "select", "unsqueeze", "squeeze", "split",
             "split_with_sizes", "unbind", "as_strided", "alias", "detach", "lift_fresh",
-            "flatten", "view_as", "empty"}
+            "flatten", "view_as", "empty"}  # views and allocations
 FUSED_DECODE_KERNELS = 3  # nsa/ops/triton/decode.py
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the non-view aten ops dispatched while active, apart inside ``nsa_decode``."""
+    """Counts the aten ops that launch work, dispatched while active, apart inside
+    ``nsa_decode``."""
 
     def __init__(self):
         super().__init__()
@@ -41,7 +42,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name not in VIEW_OPS:
+        if name not in NO_KERNEL_OPS:
             if self.inside_attention:
                 self.attention += 1
             else:
@@ -89,9 +90,9 @@ def main(argv=None):
     print(f"# {args.preset}, {layers} layers, B={args.batch}, one decode step on the CPU")
     print("| step | ops per token | per layer | + fused attention kernels (CUDA) | "
           "most frequent |\n|---|---|---|---|---|")
+    full, skipped = "nsa, completing a compressed token", f"nsa, the other {every - 1} of {every}"
     rows = {}
-    for name, kind, compress in (("nsa, completing a compressed token", "nsa", True),
-                                 (f"nsa, the other {every - 1} of {every}", "nsa", False),
+    for name, kind, compress in ((full, "nsa", True), (skipped, "nsa", False),
                                  ("dense", "dense", True)):
         counter = count_decode_step(args.preset, kind, args.batch, args.prompt, compress)
         total = sum(counter.layer.values())
@@ -99,10 +100,8 @@ def main(argv=None):
         rows[name] = total + launches
         common = ", ".join(f"{n} {c}" for n, c in counter.layer.most_common(args.top))
         print(f"| {name} | {total} | {total / layers:.1f} | {launches} | {common} |")
-    full, skipped = rows["nsa, completing a compressed token"], rows[
-        f"nsa, the other {every - 1} of {every}"]
-    rows["nsa, mean"] = (full + (every - 1) * skipped) / every
-    print(f"\nNSA / dense kernels per token on CUDA: {full / rows['dense']:.2f} with the "
+    rows["nsa, mean"] = (rows[full] + (every - 1) * rows[skipped]) / every
+    print(f"\nNSA / dense kernels per token on CUDA: {rows[full] / rows['dense']:.2f} with the "
           f"compressed-token update, {rows['nsa, mean'] / rows['dense']:.2f} averaged over "
           f"the {every} steps of a compression stride")
     return rows
