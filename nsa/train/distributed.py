@@ -150,22 +150,27 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             MixedPrecisionPolicy,
             fully_shard,
             register_fsdp_forward_method,
         )
 
+        # The mesh names the run's device type: FSDP2's default mesh takes the accelerator
+        # whenever one exists, so CPU ranks on a one-GPU machine would ask for GPU 1.
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32)
         # Decoding enters blocks and the root through methods other than forward: FSDP must
         # gather their parameters around those calls too.
         blocks = list(model.blocks)
         for block in blocks:
-            fully_shard(block, mp_policy=policy, reshard_after_forward=fsdp_reshard)
+            fully_shard(block, mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=fsdp_reshard)
             for method in ("prefill", "decode"):
                 register_fsdp_forward_method(block, method)
-        fully_shard(model, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         for method in ("prefill", "decode_step"):
             register_fsdp_forward_method(model, method)
         if fsdp_prefetch:

@@ -143,5 +143,5 @@ def test_nsa_trains_on_passkey_documents_with_doc_masking(tiny_overrides, capsys
     nsa.cli.main(["train", *tiny_overrides, "data=passkey:80-97", "seq_len=96", "max_steps=2",
                   "doc_masking=true"])
     out = capsys.readouterr().out
-    assert "attention) on 1 x cpu" in out
+    assert "(nsa attention) on 1 x " in out
     assert math.isfinite(float(re.search(r"final val loss (\S+) nats/token", out).group(1)))
