@@ -157,10 +157,13 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
-                      PARTIAL: tl.constexpr = False):
+                      PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
-    tile dS is 0 where not ``valid``, whatever v, do and delta hold there."""
-    p = tl.where(valid, exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 0.0)
+    tile dS is 0 where not ``valid``, whatever v, do and delta hold there. Without MASKED
+    every pair counts (a full tile; padding rows have lse = +inf, so p = 0 there)."""
+    p = exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2)
+    if MASKED:
+        p = tl.where(valid, p, 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
     if PARTIAL:
         ds = tl.where(valid, ds, 0.0)
@@ -169,10 +172,11 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
 
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
-            PARTIAL: tl.constexpr):
+            PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
     (a non-finite key already makes the dS of the pairs that see it NaN)."""
-    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL)
+    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
+                              MASKED)
     if PARTIAL:
         k, _ = finite_part(k)
     return acc + dot(ds.to(k.dtype), k, IEEE)
@@ -180,7 +184,7 @@ def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
 
 @triton.jit
 def dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE: tl.constexpr,
-              PARTIAL: tl.constexpr):
+              PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows. A
     PARTIAL tile multiplies the finite parts of q and do; a row whose do is not finite poisons
     its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it sees."""
@@ -190,7 +194,8 @@ def dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE: tl
         q_mult, _ = finite_part(q)
         do_mult, do_poison = finite_part(do)
         lse = lse + do_poison
-    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL)
+    p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
+                              MASKED)
     acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)
     acc_k += dot(tl.trans(ds).to(q.dtype), q_mult, IEEE)
     return acc_k, acc_v
@@ -211,9 +216,12 @@ def store_tile(row_ptrs, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def add_tile(row_ptrs, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Tile += value (read-modify-write by the one program that owns these rows)."""
+def accumulate_tile(in_rows, out_rows, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ACCUMULATE: tl.constexpr):
+    """Stores value, plus the tile at ``in_rows`` when ACCUMULATE, at ``out_rows`` in their
+    dtype (the one program that owns these rows reads and writes them)."""
     d = tl.arange(0, BLOCK_D)
-    ptrs = row_ptrs[:, None] + d[None, :]
     mask = row_ok[:, None] & (d[None, :] < D)
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
+    if ACCUMULATE:
+        value += tl.load(in_rows[:, None] + d[None, :], mask=mask, other=0.0)
+    tl.store(out_rows[:, None] + d[None, :], value.to(out_rows.dtype.element_ty), mask=mask)

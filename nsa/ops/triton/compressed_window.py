@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import (
-    add_tile,
+    accumulate_tile,
     attend_tile,
     compressed_count,
     dkdv_tile,
@@ -35,7 +35,7 @@ from nsa.ops.triton.common import (
     store_rows,
     store_tile,
 )
-from nsa.ops.triton.launch import launch_shape, num_sms, pow2, shapes, strides
+from nsa.ops.triton.launch import launch_shape, num_sms, pow2, shapes, strides, tile_descriptor
 
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
@@ -103,15 +103,31 @@ def _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh
 
 
 @triton.jit
+def _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh,
+                   stride_vb, stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   TMA: tl.constexpr):
+    """Keys, values [BLOCK_N, D] of a full tile (every key in every row's range): with TMA one
+    tensor-descriptor load each (KD, VD: [B, NK, H, D] descriptors of BLOCK_N keys)."""
+    if TMA:
+        where = [b.to(tl.int32), start, h, 0]
+        return (KD.load(where).reshape(BLOCK_N, BLOCK_DK),
+                VD.load(where).reshape(BLOCK_N, BLOCK_DV))
+    k, v, _ = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
+    return k, v
+
+
+@triton.jit
 def _branch_fwd_kernel(
-    Q, K, V, O, LSE, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, O, LSE, tok_pos, tok_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
@@ -125,10 +141,10 @@ def _branch_fwd_kernel(
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
-        k, v, valid = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
-                                stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                                BLOCK_DV, BLOCK_N)
-        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, False, False)
+        k, v = _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
+                              stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                              BLOCK_DV, BLOCK_N, TMA)
+        m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
     store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                BLOCK_DV)
@@ -136,16 +152,17 @@ def _branch_fwd_kernel(
 
 @triton.jit
 def _branch_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, DO, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """DQ (float32, layout of O with DK columns) += scale · Σ_s p (dp − delta) k_s."""
+    """DQ_OUT = scale · Σ_s p (dp − delta) k_s, plus DQ_IN when ACCUMULATE (both laid out as Q:
+    the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype)."""
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
@@ -159,12 +176,12 @@ def _branch_bwd_dq_kernel(
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
-        k, v, valid = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
-                                stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                                BLOCK_DV, BLOCK_N)
-        acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, False)
-    add_tile(DQ + b * stride_qb + t64 * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
-             BLOCK_DK)
+        k, v = _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
+                              stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                              BLOCK_DV, BLOCK_N, TMA)
+        acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
+    rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
+    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
@@ -193,8 +210,36 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_star
 
 
 @triton.jit
+def _full_query_tile(t_start, Q, DO, QD, DOD, LSE, DELTA, b, h, stride_qb, stride_qt,
+                     stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+                     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+                     TMA: tl.constexpr):
+    """q, do, lse, delta of the P positions from t_start x G heads in a full query tile (each
+    of them sees every key of the tile): with TMA one tensor-descriptor load each of q and do
+    (QD, DOD: [B, T, HQ, D] descriptors of P positions x G heads; P · G == BLOCK_R)."""
+    P: tl.constexpr = BLOCK_R // G
+    r = tl.arange(0, BLOCK_R)
+    t64 = (t_start + r // G).to(tl.int64)
+    hq = h * G + r % G
+    row_ok = r < P * G
+    if TMA:
+        where = [b.to(tl.int32), t_start, h * G, 0]
+        q = QD.load(where).reshape(BLOCK_R, BLOCK_DK)
+        do = DOD.load(where).reshape(BLOCK_R, BLOCK_DV)
+    else:
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
+                      BLOCK_DK)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
+                       BLOCK_DV)
+    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def _branch_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo, key_t_hi,
+    Q, K, V, DO, QD, DOD, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo, key_t_hi,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
@@ -202,7 +247,7 @@ def _branch_bwd_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
     positions (program axis 2) that can see them; segments write separate partials."""
@@ -237,12 +282,12 @@ def _branch_bwd_dkdv_kernel(
         acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
                                  True)
     for t_start in range(full_lo, full_hi, P):
-        q, do, lse, delta, valid = _query_tile(
-            t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb,
-            stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK,
-            DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
-                                 False)
+        q, do, lse, delta = _full_query_tile(
+            t_start, Q, DO, QD, DOD, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
+            BLOCK_DV, BLOCK_R, TMA)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, None, acc_k, acc_v, scale_log2, IEEE,
+                                 False, False)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
@@ -259,36 +304,65 @@ def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> 
     return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
 
 
+def _key_descriptors(k, v):
+    """(KD, VD, TMA): [B, NK, H, D] descriptors of BLOCK_N keys for the full key tiles, where
+    TMA can read k and v (else (k, v, False): pointer loads)."""
+    kd = tile_descriptor(k, [1, BLOCK_N, 1, pow2(k.shape[3])])
+    vd = tile_descriptor(v, [1, BLOCK_N, 1, pow2(v.shape[3])])
+    if kd is None or vd is None:
+        return k, v, False
+    return kd, vd, True
+
+
+def _query_descriptors(q, do, G: int, rows: int):
+    """(QD, DOD, TMA): [B, T, HQ, D] descriptors of the rows / G positions x G heads of a full
+    query tile of dK/dV, where the rows are whole positions (G a power of two) and TMA can read
+    q and do (else (q, do, False): pointer loads)."""
+    if rows % G:
+        return q, do, False
+    box = [1, rows // G, G]
+    qd = tile_descriptor(q, box + [pow2(q.shape[3])])
+    dod = tile_descriptor(do, box + [pow2(do.shape[3])])
+    if qd is None or dod is None:
+        return q, do, False
+    return qd, dod, True
+
+
 def branch_forward(q, k, v, tables, mode, params, scale):
     """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    R, launch = launch_shape("dense_fwd", G, max(Dk, Dv))
+    R, launch = launch_shape("dense_fwd", G, max(Dk, Dv), q.element_size())
+    kd, vd, tma = _key_descriptors(k, v)
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
-        q, k, v, o, lse, tables.tok_pos, tables.tok_cmp_start,
+        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
         MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, **launch,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
     )
     return o, lse
 
 
-def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
-    """Adds this branch's dq into ``dq`` (float32) and returns (dk, dv) in float32."""
+def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
+                    accumulate=True, dq_out=None):
+    """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
+    ``accumulate`` (else written alone); returns (dk, dv) in float32."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     NK = k.shape[1]
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                 BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
-    R, launch = launch_shape("dense_dq", G, max(Dk, Dv))
+    R, launch = launch_shape("dense_dq", G, max(Dk, Dv), q.element_size())
+    kd, vd, tma = _key_descriptors(k, v)
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
-        q, k, v, do, lse, delta, dq, tables.tok_pos, tables.tok_cmp_start, *tensor_strides,
-        T, NK, H, scale * LOG2E, scale, BLOCK_R=R, **meta, **launch,
+        q, k, v, kd, vd, do, lse, delta, dq, dq if dq_out is None else dq_out, tables.tok_pos,
+        tables.tok_cmp_start, *tensor_strides, T, NK, H, scale * LOG2E, scale, BLOCK_R=R,
+        TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
@@ -303,11 +377,12 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale):
     else:
         t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), tables.tok_t_hi
     if NK:
-        R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv))
+        R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv), q.element_size())
+        qd, dod, tma = _query_descriptors(q, do, G, R)
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
-            q, k, v, do, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
+            q, k, v, do, qd, dod, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
             t_lo, t_hi, *tensor_strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
             dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, **meta, **launch,
+            scale, BLOCK_R=R, TMA=tma, **meta, **launch,
         )
     return dk.sum(0), dv.sum(0)

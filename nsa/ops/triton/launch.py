@@ -7,6 +7,7 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
@@ -30,15 +31,17 @@ def pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(x))
 
 
-def launch_shape(kind: str, G: int, head_dim: int):
+def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
 
-    Head dims above 128 (padded to 256) halve the rows and drop software pipelining so the
-    tiles fit in shared memory."""
+    The tuned shapes are for 16-bit tiles of head dim <= 128. Wider tiles (a larger head dim,
+    or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
+    drop software pipelining so the tiles fit in shared memory."""
     tuning = TUNING[kind]
     rows, stages = tuning["rows"], tuning["num_stages"]
-    if pow2(head_dim) > 128:
-        rows, stages = rows // 2, 1
+    width = pow2(head_dim) * element_size // 2
+    if width > 128:
+        rows, stages = max(16, rows * 128 // width), 1
     return max(rows, pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
 
 
@@ -61,3 +64,17 @@ def shapes(q, k, v):
     H, Dv = k.shape[2], v.shape[3]
     G = HQ // H
     return B, T, HQ, H, G, Dk, Dv
+
+
+def tile_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
+    """A tensor descriptor (TMA loads) of x whose loads are ``box``-shaped tiles (zeros past
+    x's edges), or None where TMA cannot read x: an empty x, a box dim that is not a power of
+    two or is above 256, rows (last dim) or a base or stride that are not a multiple of 16
+    bytes (rows of 2 bytes made illegal accesses on the H100), a non-unit last stride."""
+    size = x.element_size()
+    if not (x.numel() > 0 and all(n == triton.next_power_of_2(n) and n <= 256 for n in box)
+            and x.shape[-1] * size % 16 == 0 and box[-1] >= x.shape[-1]
+            and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in x.stride()[:-1])):
+        return None
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), box)

@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa.ops.layout import expand_counts
 from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
-    add_tile,
+    accumulate_tile,
     dkdv_tile,
     dot,
     load_tile,
@@ -36,7 +35,7 @@ from nsa.ops.triton.common import (
     split_tiles,
     store_rows,
 )
-from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides
+from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides, tile_descriptor
 from nsa.ops.triton.tables import KernelTables, i32
 
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
@@ -128,7 +127,7 @@ def _selected_fwd_kernel(
 
 @triton.jit
 def _selected_bwd_dq_kernel(
-    Q, K, V, KD, VD, IDX, DO, LSE, DELTA, DQ, TOK_POS,
+    Q, K, V, KD, VD, IDX, DO, LSE, DELTA, DQ_IN, DQ_OUT, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -136,6 +135,7 @@ def _selected_bwd_dq_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
     SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
@@ -160,8 +160,8 @@ def _selected_bwd_dq_kernel(
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, row_ok[:, None] & k_ok[None, :],
                               scale_log2, IEEE)
     acc += dot(ds.to(k.dtype), k, IEEE)
-    add_tile(DQ + b * stride_qb + t * stride_qt + hq * stride_qh, acc * scale, row_ok, DK,
-             BLOCK_DK)
+    rows = b * stride_qb + t * stride_qt + hq * stride_qh
+    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
@@ -279,23 +279,17 @@ def _selected_meta(q, k, v, params):
                 BLOCK_S=pow2(params.sel_block), IEEE=q.dtype == torch.float32)
 
 
-def _tma_ready(x: torch.Tensor) -> bool:
-    """Whether a tensor-descriptor (TMA) load can read x: 16-byte aligned base and strides."""
-    size = x.element_size()
-    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(st * size % 16 == 0 for st in x.stride()[:-1]))
-
-
 def _block_descriptors(k, v, params):
     """(KD, VD, TMA): [B, T, H, D] descriptors of one selection block when every block can be
-    one TMA load (l' a power of two >= 16, aligned layouts), else (k, v, False)."""
-    sel_block = params.sel_block
-    dims = (sel_block, pow2(k.shape[3]), pow2(v.shape[3]))
-    if not (sel_block == pow2(sel_block) and max(dims) <= 256  # a TMA box is <= 256 per dim
-            and _tma_ready(k) and _tma_ready(v)):
+    one TMA load (l' a power of two >= 16: the tile BLOCK_S; aligned layouts), else
+    (k, v, False)."""
+    if params.sel_block != pow2(params.sel_block):
         return k, v, False
-    kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, sel_block, 1, dims[1]])
-    vd = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, sel_block, 1, dims[2]])
+    box = [1, params.sel_block, 1]
+    kd = tile_descriptor(k, box + [pow2(k.shape[3])])
+    vd = tile_descriptor(v, box + [pow2(v.shape[3])])
+    if kd is None or vd is None:
+        return k, v, False
     return kd, vd, True
 
 
@@ -362,15 +356,19 @@ def _inverse_index(idx, tables, params):
     return num_global, block_start, block_end, offsets, entry_pos
 
 
-def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
+def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *,
+                      accumulate=True, dq_out=None):
+    """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
+    ``accumulate``; returns (dk, dv) in float32."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _selected_meta(q, k, v, params)
     strides_qkv = (*strides(q), *strides(k), *strides(v))
     kd, vd, tma = _block_descriptors(k, v, params)
     _selected_bwd_dq_kernel[(T, B * H)](
-        q, k, v, kd, vd, idx, do, lse, delta, dq, tables.tok_pos,
-        *strides_qkv, *strides(idx), *strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, TMA=tma, **_selected_launch("dq", q, k, v, params),
+        q, k, v, kd, vd, idx, do, lse, delta, dq, dq if dq_out is None else dq_out,
+        tables.tok_pos, *strides_qkv, *strides(idx), *strides(do), *lse.stride()[:2],
+        H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
+        **_selected_launch("dq", q, k, v, params),
     )
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.
@@ -384,7 +382,7 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale):
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
-    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv))
+    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
     _selected_bwd_dkdv_kernel[(num_segments,)](
         q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
         i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
