@@ -24,6 +24,8 @@ def main(argv=None):
     with open(args.results) as f:
         data = json.load(f)
     rows = data["rows"] if isinstance(data, dict) else data  # --json: {meta, rows}
+    # The GPU named by --json's meta (bare --out lists predate it: those runs were on H200s).
+    device = data["meta"]["device"] if isinstance(data, dict) else "NVIDIA H200"
     # Refused, failed or skipped measurements have no times.
     rows = [r for r in rows if r["HQ"] == HQ and r["H"] == H and "fwd_ms" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
@@ -35,9 +37,11 @@ def main(argv=None):
         ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms", title=title)
         ax.set_xticks([p for p in sorted({r["T"] for r in rows})])
         ax.set_xticklabels([f"{t // 1024}k" for t in sorted({r["T"] for r in rows})])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"NSA vs dense causal attention, one H200, bf16, B=1, HQ={HQ}, H={H}, D=128")
+    fig.suptitle(f"NSA vs dense causal attention, one {device}, bf16, B=1, HQ={HQ}, H={H}, "
+                 f"D=128")
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
 
