@@ -38,6 +38,10 @@ CASES = [
     # l' = 16: whole selection blocks load through tensor descriptors (TMA), G = 4
     (1, 75, 8, 2, 16, 32, None, dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3,
                                      window=9)),
+    # Full 64-key tiles in the compressed and window branches (their K/V, and dK/dV's q/do
+    # with G = 4, load through tensor descriptors) beside partial ones.
+    (1, 300, 8, 2, 16, 16, None, dict(cmp_block=4, cmp_stride=2, sel_block=16, num_selected=3,
+                                      window=130)),
 ]
 # ... and GPU-sized ones: every case in bf16, the first two also in fp16 and fp32.
 GPU_CASES = [
@@ -287,3 +291,27 @@ def test_triton_256k_bf16_has_no_overflow():
     assert out.abs().max().item() <= bound
     for name in INPUTS:
         assert torch.isfinite(inputs[name].grad).all(), name
+
+
+def test_tensor_descriptors_only_where_tma_can_read():
+    from nsa.ops.triton.launch import tile_descriptor
+
+    k = torch.zeros(2, 128, 2, 64, dtype=torch.bfloat16)
+    assert tile_descriptor(k, [1, 64, 1, 64]) is not None
+    assert tile_descriptor(k[..., :1], [1, 64, 1, 16]) is None  # 2-byte rows: illegal on GPUs
+    assert tile_descriptor(k[..., 1:], [1, 64, 1, 64]) is None  # rows and base not aligned
+    assert tile_descriptor(k[:, :0], [1, 64, 1, 64]) is None  # empty
+    assert tile_descriptor(k, [1, 48, 1, 64]) is None  # a box dim not a power of two
+    assert tile_descriptor(k, [1, 512, 1, 64]) is None  # a box dim above 256
+    assert tile_descriptor(k.transpose(1, 3), [1, 16, 1, 64]) is None  # strided last dim
+
+
+def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
+    from nsa.ops.triton.launch import TUNING, launch_shape
+
+    rows = TUNING["dense_dkdv"]["rows"]
+    assert launch_shape("dense_dkdv", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
+    # float32 counts as twice the head dim: the float32 GPU cases ran out of shared memory.
+    assert launch_shape("dense_dkdv", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
+    assert launch_shape("dense_dkdv", 6, 192, 4)[0] == rows // 4
+    assert launch_shape("dense_dkdv", 64, 192, 4)[0] == 64  # never below the group
