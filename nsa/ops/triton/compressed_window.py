@@ -35,7 +35,14 @@ from nsa.ops.triton.common import (
     store_rows,
     store_tile,
 )
-from nsa.ops.triton.launch import launch_shape, num_sms, pow2, shapes, strides, tile_descriptor
+from nsa.ops.triton.launch import (
+    descriptor_pair,
+    launch_shape,
+    num_sms,
+    pow2,
+    shapes,
+    strides,
+)
 
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
@@ -304,28 +311,13 @@ def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> 
     return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
 
 
-def _key_descriptors(k, v):
-    """(KD, VD, TMA): [B, NK, H, D] descriptors of BLOCK_N keys for the full key tiles, where
-    TMA can read k and v (else (k, v, False): pointer loads)."""
-    kd = tile_descriptor(k, [1, BLOCK_N, 1, pow2(k.shape[3])])
-    vd = tile_descriptor(v, [1, BLOCK_N, 1, pow2(v.shape[3])])
-    if kd is None or vd is None:
-        return k, v, False
-    return kd, vd, True
-
-
 def _query_descriptors(q, do, G: int, rows: int):
     """(QD, DOD, TMA): [B, T, HQ, D] descriptors of the rows / G positions x G heads of a full
     query tile of dK/dV, where the rows are whole positions (G a power of two) and TMA can read
     q and do (else (q, do, False): pointer loads)."""
     if rows % G:
         return q, do, False
-    box = [1, rows // G, G]
-    qd = tile_descriptor(q, box + [pow2(q.shape[3])])
-    dod = tile_descriptor(do, box + [pow2(do.shape[3])])
-    if qd is None or dod is None:
-        return q, do, False
-    return qd, dod, True
+    return descriptor_pair(q, do, [1, rows // G, G])
 
 
 def branch_forward(q, k, v, tables, mode, params, scale):
@@ -334,7 +326,8 @@ def branch_forward(q, k, v, tables, mode, params, scale):
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("dense_fwd", G, max(Dk, Dv), q.element_size())
-    kd, vd, tma = _key_descriptors(k, v)
+    # [B, NK, H, D] descriptors of BLOCK_N keys: the full key tiles load through TMA.
+    kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
         q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start,
@@ -358,7 +351,7 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
     R, launch = launch_shape("dense_dq", G, max(Dk, Dv), q.element_size())
-    kd, vd, tma = _key_descriptors(k, v)
+    kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
         q, k, v, kd, vd, do, lse, delta, dq, dq if dq_out is None else dq_out, tables.tok_pos,
         tables.tok_cmp_start, *tensor_strides, T, NK, H, scale * LOG2E, scale, BLOCK_R=R,

@@ -78,3 +78,13 @@ def tile_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
             and all(st * size % 16 == 0 for st in x.stride()[:-1])):
         return None
     return TensorDescriptor(x, list(x.shape), list(x.stride()), box)
+
+
+def descriptor_pair(a: torch.Tensor, b: torch.Tensor, box: list[int]):
+    """(A, B, True): descriptors of a and b whose tiles are ``box`` + their padded last dim
+    (pow2), where TMA can read both; else (a, b, False), for pointer loads."""
+    ad = tile_descriptor(a, box + [pow2(a.shape[-1])])
+    bd = tile_descriptor(b, box + [pow2(b.shape[-1])])
+    if ad is None or bd is None:
+        return a, b, False
+    return ad, bd, True

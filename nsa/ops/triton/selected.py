@@ -35,7 +35,14 @@ from nsa.ops.triton.common import (
     split_tiles,
     store_rows,
 )
-from nsa.ops.triton.launch import TUNING, launch_shape, pow2, shapes, strides, tile_descriptor
+from nsa.ops.triton.launch import (
+    TUNING,
+    descriptor_pair,
+    launch_shape,
+    pow2,
+    shapes,
+    strides,
+)
 from nsa.ops.triton.tables import KernelTables, i32
 
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
@@ -285,12 +292,7 @@ def _block_descriptors(k, v, params):
     (k, v, False)."""
     if params.sel_block != pow2(params.sel_block):
         return k, v, False
-    box = [1, params.sel_block, 1]
-    kd = tile_descriptor(k, box + [pow2(k.shape[3])])
-    vd = tile_descriptor(v, box + [pow2(v.shape[3])])
-    if kd is None or vd is None:
-        return k, v, False
-    return kd, vd, True
+    return descriptor_pair(k, v, [1, params.sel_block, 1])
 
 
 def _selected_launch(kind: str, q, k, v, params) -> dict:
