@@ -5,8 +5,11 @@
 #
 # env:   the GPU, and the versions of the packages the project and `datasets` read there.
 # tests: the whole suite on CUDA (pytest-xdist with $JOBS workers when installed), verbose,
-#        so that the failing tests are named even if the call's time runs out: $OUT/tests.log,
-#        and $OUT/failed.txt (one line per failed or erroring test). $TESTS narrows it.
+#        so that the failing tests are named even if the call's time runs out: $OUT/tests.log
+#        (ending with the 30 slowest tests), and $OUT/failed.txt (one line per failed or
+#        erroring test). $TESTS narrows it; PART=k/n runs the k-th of n shares of its test
+#        files (every n-th file in sorted order: the whole suite on an H100 takes about 10
+#        minutes with 14 workers, more than one call, so PART=1/2 and PART=2/2 in two calls).
 # user:  the real user path: m7c-125m ($PRESET) trained $STEPS (40) steps in bf16 on the
 #        bundled corpus (bytes tokenizer: no download), ending with its sample, then
 #        `nsa generate` from the run (CUDA graphs): $OUT/train.log, $OUT/generate.log.
@@ -36,8 +39,22 @@ PY
     tests)
         parallel=()
         $PY -c "import xdist" 2>/dev/null && parallel=(-n "${JOBS:-14}")
-        $PY -m pytest -v -rfE --tb=short -p no:cacheprovider "${parallel[@]}" ${TESTS:-tests} \
-            > "$OUT/tests.log" 2>&1 || status=1
+        read -ra targets <<< "${TESTS:-tests}"
+        if [ -n "${PART:-}" ]; then
+            k=${PART%/*} n=${PART#*/}
+            if ! [[ $k =~ ^[0-9]+$ && $n =~ ^[0-9]+$ ]] || (( k < 1 || k > n )); then
+                echo "PART must be k/n with 1 <= k <= n, got $PART" >&2; exit 2
+            fi
+            mapfile -t files < <(find "${targets[@]}" -name 'test_*.py' | sort)
+            targets=()
+            for i in "${!files[@]}"; do
+                (( i % n == k - 1 )) && targets+=("${files[$i]}")
+            done
+            echo "tests: part $PART, ${#targets[@]} of ${#files[@]} test files"
+            if [ ${#targets[@]} -eq 0 ]; then continue; fi  # pytest would run every test
+        fi
+        $PY -m pytest -v -rfE --tb=short --durations=30 -p no:cacheprovider "${parallel[@]}" \
+            "${targets[@]}" > "$OUT/tests.log" 2>&1 || status=1
         grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | sort -u > "$OUT/failed.txt"
         echo "tests: $(tail -1 "$OUT/tests.log")"
         echo "failed or erroring: $(wc -l < "$OUT/failed.txt")"; cat "$OUT/failed.txt" ;;
