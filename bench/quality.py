@@ -15,9 +15,16 @@ at blank lines into documents of at least ``--doc-chars`` characters, shuffled w
 written to OUT/corpus.jsonl, the first tenth held out for validation. Reading documents needs
 the ``datasets`` package (``pip install "nsa[train]"``).
 
-Writes OUT/quality.json (settings, validation curves, final losses, passkey cells), OUT/quality.png
-(needs matplotlib) and each run's directory OUT/<variant>/ (metrics.jsonl, the final checkpoint;
-replaced on every call). Wall-clock is the trainer's ``elapsed_s`` at the step of each validation:
+Writes OUT/quality.json (settings, validation curves, final losses, passkey cells, each run's
+device), OUT/quality.png (needs matplotlib) and each run's directory OUT/<variant>/ (metrics.jsonl,
+the final checkpoint; replaced on every call).
+
+Variants too long for one sitting (a GPU call) run apart with ``--variants`` and the same other
+arguments; ``--merge`` then joins their quality.json files, refusing any whose settings differ:
+
+    python bench/quality.py --merge run1/quality.json run2/quality.json --out /tmp/quality
+
+Wall-clock is the trainer's ``elapsed_s`` at the step of each validation:
 the time since the run's first step, its earlier validations included (each run validates on the
 same schedule). The window-only ablation computes all three branches and uses one, so its
 wall-clock is NSA's, not a window-attention model's.
@@ -133,9 +140,22 @@ def main(argv=None) -> None:
     parser.add_argument("--passkey-lengths", help="default: --seq")
     parser.add_argument("--passkey-depths", default="0,50,100")
     parser.add_argument("--passkey-trials", type=int, default=4)
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="join these quality.json files (one setting, other variants) "
+                             "into OUT instead of training")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="more config overrides, the same for every variant")
     args = parser.parse_args(argv)
+    if args.merge:
+        try:
+            check_matplotlib()
+            summary = merge_summaries([json.loads(path.read_text()) for path in args.merge],
+                                      args.merge)
+        except (OSError, ValueError) as error:
+            parser.error(str(error))
+        args.out.mkdir(parents=True, exist_ok=True)
+        report(summary, args.out)
+        return
     variants = args.variants.split(",")
     if not set(variants) <= set(VARIANTS):
         parser.error(f"--variants takes comma-separated names of {list(VARIANTS)}")
@@ -179,23 +199,56 @@ def main(argv=None) -> None:
               f"{passkey_table(cells)}", flush=True)
         results[name] = {"overrides": VARIANTS[name], "parameters": model.num_parameters(),
                          "curve": validation_curve(Path(config.train.run_dir), tokens_per_step),
-                         "passkey": [cell.to_dict() for cell in cells]}
+                         "passkey": [cell.to_dict() for cell in cells],
+                         "device": device_name(device)}
     title = (f"{args.preset}, seq {seq}, {max_steps * tokens_per_step:,} tokens, "
              f"{args.corpus.name}{', doc masking' if args.doc_masking else ''}")
-    summary = {"title": title, "args": {**vars(args), "corpus": str(args.corpus),
-                                        "out": str(args.out)},
-               "tokens_per_step": tokens_per_step, "max_steps": max_steps, "device": str(device),
-               "runs": results}
-    atomic_write(args.out / "quality.json",
+    settings = {k: v for k, v in vars(args).items() if k not in ("variants", "out", "merge")}
+    summary = {"title": title, "settings": {**settings, "corpus": str(args.corpus)},
+               "tokens_per_step": tokens_per_step, "max_steps": max_steps, "runs": results}
+    report(summary, args.out)
+
+
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def merge_summaries(summaries: list[dict], paths: list[Path]) -> dict:
+    """One summary holding the runs of ``summaries``, which must agree on every setting and
+    share no variant (ValueError naming the first file that does not)."""
+    first, merged = summaries[0], {}
+    keys = ("title", "settings", "tokens_per_step", "max_steps")
+    for summary, path in zip(summaries, paths, strict=True):
+        if "settings" not in summary:
+            raise ValueError(f"{path}: not a quality.json of this bench/quality.py")
+        differing = [k for k in keys if summary[k] != first[k]]
+        if differing:
+            raise ValueError(f"{path}: {', '.join(differing)} differ from {paths[0]}'s: "
+                             f"the runs are not comparable")
+        repeated = sorted(set(summary["runs"]) & set(merged))
+        if repeated:
+            raise ValueError(f"{path}: variant(s) {repeated} already in an earlier file")
+        merged.update(summary["runs"])
+    return {**{k: first[k] for k in keys}, "merged_from": [str(p) for p in paths],
+            "runs": merged}
+
+
+def report(summary: dict, out: Path) -> None:
+    """Write OUT/quality.json and OUT/quality.png, and print the table of final results."""
+    atomic_write(out / "quality.json",
                  lambda file: file.write(json.dumps(summary, indent=1).encode()))
-    plot(results, args.out / "quality.png", title)
-    print(f"\n{title}\n{'variant':<10}{'params':>12}{'val loss':>10}{'wall s':>9}{'passkey':>9}")
+    results, title = summary["runs"], summary["title"]
+    plot(results, out / "quality.png", title)
+    print(f"\n{title}\n{'variant':<10}{'params':>12}{'val loss':>10}{'wall s':>9}{'passkey':>9}"
+          f"  device")
     for name, run in results.items():
         last = run["curve"][-1]
         accuracy = sum(c["accuracy"] for c in run["passkey"]) / len(run["passkey"])
         print(f"{name:<10}{run['parameters']:>12,}{last['val_loss']:>10.4f}"
-              f"{last['elapsed_s']:>9.1f}{accuracy:>9.2f}")
-    print(f"wrote {args.out / 'quality.json'} and {args.out / 'quality.png'}")
+              f"{last['elapsed_s']:>9.1f}{accuracy:>9.2f}  {run['device']}")
+    print(f"wrote {out / 'quality.json'} and {out / 'quality.png'}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ corpus, cut into documents, at equal tokens; their curves, passkey cells, JSON a
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,48 @@ def test_three_variants_at_equal_tokens(tmp_path, capsys):
         assert [(c["length"], c["depth"]) for c in run["passkey"]] == [(96, 0), (96, 100)]
     assert summary["runs"]["dense"]["parameters"] < summary["runs"]["nsa"]["parameters"]
     assert "variant" in capsys.readouterr().out
+
+
+def summary_of(*variants, seed=0):
+    """A quality.json's content as bench/quality.py writes it, for the named variants."""
+    runs = {name: {"overrides": quality.VARIANTS[name], "parameters": 1000 + i,
+                   "curve": [{"step": 2, "tokens": 192, "elapsed_s": 1.5 + i,
+                              "val_loss": 3.0 - i}],
+                   "passkey": [{"length": 96, "depth": 0.0, "accuracy": 0.5}],
+                   "device": "cpu"}
+            for i, name in enumerate(variants)}
+    return {"title": "tiny, seq 96", "settings": {"preset": "tiny", "seed": seed},
+            "tokens_per_step": 96, "max_steps": 2, "runs": runs}
+
+
+def write(path, summary):
+    path.write_text(json.dumps(summary))
+    return str(path)
+
+
+def test_runs_made_apart_merge_into_one_report(tmp_path, capsys):
+    first = write(tmp_path / "a.json", summary_of("nsa"))
+    second = write(tmp_path / "b.json", summary_of("dense", "nsa-win"))
+    quality.main(["--merge", first, second, "--out", str(tmp_path / "merged")])
+    merged = json.loads((tmp_path / "merged" / "quality.json").read_text())
+    assert list(merged["runs"]) == ["nsa", "dense", "nsa-win"]
+    assert merged["runs"]["nsa-win"] == summary_of("dense", "nsa-win")["runs"]["nsa-win"]
+    assert merged["merged_from"] == [first, second] and merged["max_steps"] == 2
+    assert (tmp_path / "merged" / "quality.png").read_bytes()[:4] == b"\x89PNG"
+    table = capsys.readouterr().out
+    assert all(name in table for name in ("nsa ", "dense", "nsa-win"))
+
+
+@pytest.mark.parametrize("second, message", [
+    (summary_of("dense", seed=1), "settings differ"),
+    (summary_of("nsa"), r"variant\(s\) \['nsa'\] already"),
+    ({"runs": {}}, "not a quality.json"),
+])
+def test_merging_refuses_runs_that_do_not_compare(tmp_path, capsys, second, message):
+    first = write(tmp_path / "a.json", summary_of("nsa"))
+    with pytest.raises(SystemExit) as raised:
+        quality.main(["--merge", first, write(tmp_path / "b.json", second),
+                      "--out", str(tmp_path / "merged")])
+    assert raised.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "merged" / "quality.json").exists()
