@@ -39,6 +39,8 @@ import random
 from importlib import resources
 from pathlib import Path
 
+import torch
+
 from nsa.eval.passkey import (
     check_matplotlib,
     check_passkey_grid,
@@ -209,9 +211,7 @@ def main(argv=None) -> None:
     report(summary, args.out)
 
 
-def device_name(device) -> str:
-    import torch
-
+def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
