@@ -44,9 +44,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
-               autocast_dtype: torch.dtype | None) -> dict:
+               autocast_dtype: torch.dtype | None, compile_blocks: bool = False) -> dict:
     torch.manual_seed(0)
     model = LanguageModel(config).to(device)
+    if compile_blocks:  # as the trainer's compile=true: torch.compile per block
+        for block in model.blocks:
+            block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     seq = config.max_seq_len
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
@@ -86,6 +89,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                         help="autocast dtype on CUDA (the CPU runs fp32)")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block, as the trainer's compile=true")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -97,13 +102,15 @@ def main(argv=None) -> None:
     heads = f"{base.attention.num_heads}/{base.attention.num_kv_heads}"
     print(f"# {name}, batch {args.batch}, seq {base.max_seq_len}, dim {base.dim}, "
           f"heads {heads}, autocast {autocast_dtype}, "
-          f"backend {args.backend}, median of {args.steps} steps")
+          f"backend {args.backend}, compiled blocks {args.compile}, "
+          f"median of {args.steps} steps")
     print(f"| attention | layers | params (M) | step (ms) | tokens/s | {memory_kind} |")
     print("|---|---|---|---|---|---|")
     for attention in args.attention.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
-            r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype)
+            r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype,
+                           args.compile)
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
                   f"{r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |", flush=True)
 

@@ -114,7 +114,9 @@ class NSAttention(nn.Module):
         kv = self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads,
                                   c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)  # [B, T, sets, H, D]
-        sets = [(k[:, :, i], v[:, :, i]) for i in range(self.num_kv_sets)]
+        # unbind: its backward stacks the sets' gradients in one copy (indexing each set
+        # would give each a zero-filled gradient of the whole projection, then sum them).
+        sets = list(zip(k.unbind(2), v.unbind(2)))
         if self.num_kv_sets == 1:
             sets = sets * 3
         return [t for pair in sets for t in pair]

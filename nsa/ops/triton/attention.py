@@ -54,9 +54,20 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
                         MODE_WIN, params, scale, dq_out=dq),
     )
     (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
-    return (dq, dk.to(k.dtype), dv.to(v.dtype), dk_cmp.to(k_cmp.dtype),
-            dv_cmp.to(v_cmp.dtype), dgates.to(gates.dtype), dk_win.to(k_win.dtype),
-            dv_win.to(v_win.dtype))
+    return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where its last stride is not 1: the kernels read every other layout through
+    its strides (a layer's k and v are strided views of one projection: no copy per call)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win):
+    """The op's inputs as the kernels read them (the gating kernels read the gates
+    contiguous)."""
+    return (*map(_unit_stride, (q, k, v, k_cmp, v_cmp)), gates.contiguous(),
+            *map(_unit_stride, (k_win, v_win)))
 
 
 # The op is registered with torch.library so torch.compile traces it as one opaque node (no
@@ -73,7 +84,7 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: t
                      num_init: int, num_local: int, scale: float) -> list[torch.Tensor]:
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
-    tensors = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    tensors = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return list(_forward(*tensors, params, scale, cu_seqlens))
 
 
@@ -100,7 +111,7 @@ def attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                      num_local: int, scale: float) -> list[torch.Tensor]:
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
-    inputs = (x.contiguous() for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win))
+    inputs = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp,
                           lse_slc, lse_win, params, scale, cu_seqlens))
 

@@ -343,7 +343,7 @@ def branch_forward(q, k, v, tables, mode, params, scale):
 def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
                     accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate`` (else written alone); returns (dk, dv) in float32."""
+    ``accumulate`` (else written alone); returns (dk, dv) in the dtypes of k and v."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     NK = k.shape[1]
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
@@ -363,12 +363,16 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
     segment = _dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
                             CMP_SEGMENT if mode == MODE_CMP else T)
     segments = triton.cdiv(T, segment)
-    dk = torch.empty(segments, *k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.empty(segments, *v.shape, dtype=torch.float32, device=q.device)
+    # One segment writes dK, dV in k's and v's dtypes; several write float32 partials.
+    single = segments == 1
+    dk = torch.empty(segments, *k.shape, dtype=k.dtype if single else torch.float32,
+                     device=q.device)
+    dv = torch.empty(segments, *v.shape, dtype=v.dtype if single else torch.float32,
+                     device=q.device)
     if mode == MODE_CMP:
         t_lo, t_hi = tables.cmp_t_lo, tables.cmp_t_hi
     else:
-        t_lo, t_hi = torch.arange(T, device=q.device, dtype=torch.int32), tables.tok_t_hi
+        t_lo, t_hi = tables.tok_index, tables.tok_t_hi
     if NK:
         R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv), q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
@@ -378,4 +382,6 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
             dv.stride(0), T, NK, H, segment, scale * LOG2E,
             scale, BLOCK_R=R, TMA=tma, **meta, **launch,
         )
-    return dk.sum(0), dv.sum(0)
+    if single:
+        return dk[0], dv[0]
+    return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)

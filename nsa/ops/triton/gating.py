@@ -49,7 +49,8 @@ def _branch_gate_grad(do, O, GATES, DO_BRANCH, DELTA, DGATES, branch: tl.constex
     """dg, do_i and delta_i of one branch (see the module docstring)."""
     o = tl.load(O + offsets, mask=mask, other=0.0)
     g = tl.load(GATES + r.to(tl.int64) * 3 + branch, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(DGATES + r.to(tl.int64) * 3 + branch, tl.sum(do * o, axis=1), mask=row_ok)
+    dg = tl.sum(do * o, axis=1)
+    tl.store(DGATES + r.to(tl.int64) * 3 + branch, dg.to(DGATES.dtype.element_ty), mask=row_ok)
     do_branch = (g[:, None] * do).to(DO_BRANCH.dtype.element_ty)
     tl.store(DO_BRANCH + offsets, do_branch, mask=mask)
     tl.store(DELTA + r, tl.sum(do_branch.to(tl.float32) * o, axis=1), mask=row_ok)
@@ -79,11 +80,12 @@ def gated_sum(o_cmp, o_slc, o_win, gates, dtype):
 
 
 def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, dtype):
-    """-> (do_branch [3, B, T, HQ, Dv] in ``dtype``, delta [3, B, T, HQ], dgates float32)."""
+    """-> (do_branch [3, B, T, HQ, Dv] in ``dtype``, delta [3, B, T, HQ] float32, dgates in
+    the gates' dtype)."""
     N, Dv = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
     do_branch = torch.empty(3, *o_cmp.shape, dtype=dtype, device=o_cmp.device)
     delta = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=o_cmp.device)
-    dgates = torch.empty(gates.shape, dtype=torch.float32, device=o_cmp.device)
+    dgates = torch.empty(gates.shape, dtype=gates.dtype, device=o_cmp.device)
     _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
         grad_out, gates, o_cmp, o_slc, o_win, *do_branch, *delta, dgates, N, DV=Dv,
         BLOCK_D=pow2(Dv), ROWS=GATE_ROWS)

@@ -9,8 +9,12 @@
 * ``_selected_bwd_dkdv_kernel``: one program per segment of at most ``SELECTED_SEGMENT``
   entries of a key block's list of the positions that selected it (an inverse index built by a
   sort); long lists (the forced first block is chosen by every position) are split so no
-  program runs alone for long. Each segment writes a partial dK/dV; ``_sum_segments_kernel``
-  adds a block's partials in a fixed order: deterministic, no atomics. Entries of positions
+  program runs alone for long. ``_segment_starts_kernel`` numbers the segments (one program,
+  a running sum over the lists) and each dK/dV program finds its list by a binary search, so
+  the index costs a sort, a search and three launches rather than some forty small PyTorch
+  ops (host time: bench/NOTES.md, v11). Each segment writes a partial dK/dV;
+  ``_sum_segments_kernel`` adds a block's partials in a fixed order and writes dK and dV in
+  their dtype: deterministic, no atomics. Entries of positions
   inside the block (they see part of it) and a segment's last tile run first, multiplying
   finite parts only (common.py, Masks); the others see the whole block: plain products.
 """
@@ -172,17 +176,24 @@ def _selected_bwd_dq_kernel(
 
 
 @triton.jit
-def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb,
+def _entry_position(ORDER, e, mask, T, HN):
+    """Position t of list entries e: ORDER holds the flat indices (b, t, h, slot) of the
+    sorted selections, HN = H · n."""
+    return (tl.load(ORDER + e, mask=mask, other=0) // HN % T).to(tl.int32)
+
+
+@triton.jit
+def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, ORDER, b, h, stride_qb,
                 stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
+                T, HN, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
     """q, do, lse, delta of the P entries (positions) from e_start (below e_hi) x G heads, and
     the mask of their pairs with the block's tokens s (s <= t)."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
     e = e_start + r // G
     row_ok = (r < P * G) & (e < e_hi)
-    t = tl.load(entry_pos + e, mask=row_ok, other=0)
+    t = _entry_position(ORDER, e, row_ok, T, HN)
     hq = h * G + r % G
     t64 = t.to(tl.int64)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
@@ -194,21 +205,58 @@ def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stri
 
 
 @triton.jit
+def _segment_starts_kernel(OFFSETS, SEG_FIRST, NUM_LISTS, SEGMENT: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """SEG_FIRST [NUM_LISTS + 1]: the first segment of each list (lists of OFFSETS[i + 1] -
+    OFFSETS[i] entries, cut into segments of SEGMENT), then the number of segments. One
+    program: a running sum over chunks of BLOCK lists."""
+    total = tl.full([], 0, tl.int32)
+    for start in range(0, NUM_LISTS, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < NUM_LISTS
+        count = tl.load(OFFSETS + i + 1, mask=ok, other=0) - tl.load(OFFSETS + i, mask=ok,
+                                                                      other=0)
+        segments = ((count + SEGMENT - 1) // SEGMENT).to(tl.int32)
+        tl.store(SEG_FIRST + i, total + tl.cumsum(segments, axis=0) - segments, mask=ok)
+        total += tl.sum(segments, axis=0)
+    tl.store(SEG_FIRST + NUM_LISTS, total)
+
+
+@triton.jit
+def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr,
+                  SEGMENT: tl.constexpr):
+    """(list, first entry, end entry) of segment ``seg``: its list is the last one whose first
+    segment is <= seg (a binary search of SEG_FIRST); a segment past the last is empty."""
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + NUM_LISTS
+    for _ in range(SEARCH_STEPS):  # invariant: SEG_FIRST[lo] <= seg < SEG_FIRST[hi]
+        mid = (lo + hi) // 2
+        below = tl.load(SEG_FIRST + mid) <= seg
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    e_lo = tl.load(OFFSETS + lo) + (seg - tl.load(SEG_FIRST + lo)) * SEGMENT
+    e_hi = tl.minimum(e_lo + SEGMENT, tl.load(OFFSETS + lo + 1))
+    used = seg < tl.load(SEG_FIRST + NUM_LISTS)
+    return lo, e_lo, tl.where(used, e_hi, e_lo)
+
+
+@triton.jit
 def _selected_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
-    seg_list, seg_lo, seg_hi, entry_pos,
+    SEG_FIRST, OFFSETS, ORDER,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    H, NUM_GLOBAL_BLOCKS, scale_log2, scale,
+    T, H, HN, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    SEGMENT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list."""
+    """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list
+    (ORDER: the sorted selections' flat indices; OFFSETS: where each list starts in them)."""
     P: tl.constexpr = BLOCK_R // G
     seg = tl.program_id(0)
-    list_id = tl.load(seg_list + seg)
-    e_lo = tl.load(seg_lo + seg)
-    e_hi = tl.load(seg_hi + seg)
+    list_id, e_lo, e_hi = _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS,
+                                        SEGMENT)
     pid_bh = list_id // NUM_GLOBAL_BLOCKS
     gblock = list_id % NUM_GLOBAL_BLOCKS
     b = (pid_bh // H).to(tl.int64)
@@ -227,7 +275,7 @@ def _selected_bwd_dkdv_kernel(
     # come first. Entries from e_full on see the whole block.
     e = e_lo + tl.arange(0, BLOCK_S)
     in_seg = e < e_hi
-    before = tl.load(entry_pos + e, mask=in_seg, other=0) < s_hi - 1
+    before = _entry_position(ORDER, e, in_seg, T, HN) < s_hi - 1
     e_full = e_lo + tl.sum((in_seg & before).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
@@ -235,14 +283,14 @@ def _selected_bwd_dkdv_kernel(
     for i in range(0, num_partial):
         q, do, lse, delta, valid = _entry_tile(
             partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, Q, DO, LSE, DELTA,
-            entry_pos, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
+            ORDER, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, T, HN, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
         acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
                                  True)
     for e_start in range(full_lo, full_hi, P):
         q, do, lse, delta, valid = _entry_tile(
-            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb, stride_qt,
-            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
+            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, ORDER, b, h, stride_qb, stride_qt,
+            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, T, HN, G, DK, DV,
             BLOCK_DK, BLOCK_DV, BLOCK_R)
         acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
                                  False)
@@ -252,12 +300,27 @@ def _selected_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _sum_block_segments(PART, OUT, b, h, s, s_ok, first, end, stride_b, stride_t, stride_h,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """OUT[b, s, h] (its dtype) = the sum of the partials of segments first..end-1, in order."""
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    for seg in range(first, end):
+        rows = tl.arange(0, BLOCK_S).to(tl.int64) + seg * BLOCK_S
+        acc += tl.load(PART + rows[:, None] * BLOCK_D + d[None, :])
+    tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
+             acc.to(OUT.dtype.element_ty), mask=s_ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
 def _sum_segments_kernel(
-    PART, OUT, block_token_start, block_token_end, list_seg_first, list_seg_count,
-    stride_b, stride_t, stride_h, H, NUM_GLOBAL_BLOCKS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    DK_PART, DV_PART, DK, DV, block_token_start, block_token_end, SEG_FIRST,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, H, NUM_GLOBAL_BLOCKS,
+    DK_DIM: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """OUT[b, block tokens, h] = sum of the block's segment partials, in segment order."""
+    """dK, dV [b, block tokens, h] = the sums of the block's segment partials, in segment order
+    (every token is in one block of its sequence: every row is written)."""
     list_id = tl.program_id(0)
     pid_bh = list_id // NUM_GLOBAL_BLOCKS
     gblock = list_id % NUM_GLOBAL_BLOCKS
@@ -265,15 +328,12 @@ def _sum_segments_kernel(
     h = pid_bh % H
     s = tl.load(block_token_start + gblock) + tl.arange(0, BLOCK_S)
     s_ok = s < tl.load(block_token_end + gblock)
-    d = tl.arange(0, BLOCK_D)
-    first = tl.load(list_seg_first + list_id)
-    count = tl.load(list_seg_count + list_id)
-    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
-    for seg in range(first, first + count):
-        rows = tl.arange(0, BLOCK_S).to(tl.int64) + seg * BLOCK_S
-        acc += tl.load(PART + rows[:, None] * BLOCK_D + d[None, :])
-    tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
-             acc, mask=s_ok[:, None] & (d[None, :] < D))
+    first = tl.load(SEG_FIRST + list_id)
+    end = tl.load(SEG_FIRST + list_id + 1)
+    _sum_block_segments(DK_PART, DK, b, h, s, s_ok, first, end, stride_kb, stride_kt,
+                        stride_kh, DK_DIM, BLOCK_DK, BLOCK_S)
+    _sum_block_segments(DV_PART, DV, b, h, s, s_ok, first, end, stride_vb, stride_vt,
+                        stride_vh, DV_DIM, BLOCK_DV, BLOCK_S)
 
 
 # Launch wrappers -------------------------------------------------------------------------
@@ -324,8 +384,9 @@ def selected_forward(q, k, v, idx, tables, params, scale):
 
 def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
     """Layout-only parts of the inverse index, built once per tables: the number of global
-    blocks (a host-known bound), each sequence's first global block, the token range of every
-    global block (blocks past the last one are empty), list ids of (b, h) and list boundaries."""
+    blocks (a host-known bound), the token range of every global block (blocks past the last
+    one are empty), the list id of block 0 of each (b, position's sequence, h) [B, T, H, 1],
+    and the list boundaries (0 .. lists)."""
     key = ("blocks", B, H)
     if key not in tables.memo:
         layout = tables.layout
@@ -340,28 +401,29 @@ def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
                                                     layout.ends[block_seq]), block_start)
         bh = (torch.arange(B, device=device).view(B, 1, 1, 1) * H
               + torch.arange(H, device=device).view(1, 1, H, 1))  # [B, 1, H, 1]
-        seq_first_block = block_first[layout.seq].view(1, T, 1, 1)
-        tables.memo[key] = (num_global, seq_first_block, i32(block_start), i32(block_end),
-                            bh * num_global, torch.arange(B * H * num_global + 1, device=device))
+        list_first = bh * num_global + block_first[layout.seq].view(1, T, 1, 1)
+        tables.memo[key] = (num_global, i32(block_start), i32(block_end), list_first,
+                            torch.arange(B * H * num_global + 1, device=device))
     return tables.memo[key]
 
 
 def _inverse_index(idx, tables, params):
-    """For each (b, h, global block): the positions that selected it, as CSR (offsets, pos)."""
+    """For each (b, h, global block), the selections that chose it: (number of global blocks,
+    block token ranges, ``offsets`` [lists + 1] of each list in ``order``, ``order``: the flat
+    (b, t, h, slot) indices of the selections sorted by list, positions ascending)."""
     B, T, H, n = idx.shape
-    num_global, seq_first_block, block_start, block_end, list_base, boundaries = (
+    num_global, block_start, block_end, list_first, boundaries = (
         _selection_blocks(tables, params, B, H))
-    list_id = torch.where(idx >= 0, list_base + seq_first_block + idx, B * H * num_global)
+    list_id = torch.where(idx >= 0, list_first + idx, B * H * num_global)
     order = torch.sort(list_id.flatten(), stable=True)
-    entry_pos = i32(order.indices // (H * n) % T)  # flat index (b, t, h, slot) -> t
-    offsets = i32(torch.searchsorted(order.values, boundaries))
-    return num_global, block_start, block_end, offsets, entry_pos
+    return (num_global, block_start, block_end, torch.searchsorted(order.values, boundaries),
+            order.indices)
 
 
 def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *,
                       accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate``; returns (dk, dv) in float32."""
+    ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _selected_meta(q, k, v, params)
     strides_qkv = (*strides(q), *strides(k), *strides(v))
@@ -372,32 +434,29 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *
         H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
         **_selected_launch("dq", q, k, v, params),
     )
-    num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
-    # Split every block's list of positions into segments of at most SELECTED_SEGMENT entries.
-    counts = (offsets[1:] - offsets[:-1]).long()  # [num_lists]
-    seg_count = (counts + SELECTED_SEGMENT - 1) // SELECTED_SEGMENT
-    seg_first = torch.cumsum(seg_count, 0) - seg_count
-    num_segments = idx.numel() // SELECTED_SEGMENT + counts.numel()  # bound known on the host
-    seg_list, index, _ = expand_counts(seg_count, num_segments)
-    seg_lo = offsets[seg_list].long() + index * SELECTED_SEGMENT
-    seg_hi = torch.minimum(seg_lo + SELECTED_SEGMENT, offsets[seg_list + 1].long())
+    num_global, block_start, block_end, offsets, order = _inverse_index(idx, tables, params)
+    # Every list of positions is cut into segments of at most SELECTED_SEGMENT entries.
+    num_lists = offsets.numel() - 1
+    seg_first = torch.empty(num_lists + 1, dtype=torch.int32, device=q.device)
+    _segment_starts_kernel[(1,)](offsets, seg_first, num_lists, SEGMENT=SELECTED_SEGMENT,
+                                 BLOCK=1024)
+    num_segments = idx.numel() // SELECTED_SEGMENT + num_lists  # bound known on the host
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
     _selected_bwd_dkdv_kernel[(num_segments,)](
-        q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end,
-        i32(seg_list), i32(seg_lo), i32(seg_hi), entry_pos,
-        *strides_qkv, *strides(do), *lse.stride()[:2],
-        H, num_global, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end, seg_first, offsets,
+        order, *strides_qkv, *strides(do), *lse.stride()[:2],
+        T, H, H * params.num_selected, num_global, num_lists, scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
-        IEEE=meta["IEEE"], **launch,
+        IEEE=meta["IEEE"], SEGMENT=SELECTED_SEGMENT, SEARCH_STEPS=num_lists.bit_length(),
+        **launch,
     )
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    for part, out, D, bd in ((dk_part, dk, Dk, bdk), (dv_part, dv, Dv, bdv)):
-        _sum_segments_kernel[(counts.numel(),)](
-            part, out, block_start, block_end, i32(seg_first), i32(seg_count),
-            *strides(out), H, num_global, D=D, BLOCK_D=bd, BLOCK_S=bs,
-        )
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _sum_segments_kernel[(num_lists,)](
+        dk_part, dv_part, dk, dv, block_start, block_end, seg_first, *strides(dk), *strides(dv),
+        H, num_global, DK_DIM=Dk, DV_DIM=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_S=bs,
+    )
     return dk, dv

@@ -22,6 +22,7 @@ class KernelTables:
     tok_pos: torch.Tensor  # [T] position within its sequence
     tok_cmp_start: torch.Tensor  # [T] packed index of its sequence's first compressed token
     tok_t_hi: torch.Tensor  # [T] last query (exclusive) whose window sees this token
+    tok_index: torch.Tensor  # [T] its own index t (the first query that sees it)
     cmp_t_lo: torch.Tensor  # [Tc] first query that sees this compressed token
     cmp_t_hi: torch.Tensor  # [Tc] end (exclusive) of its sequence
     memo: dict = field(default_factory=dict)  # derived tables, built on first use
@@ -53,6 +54,7 @@ def _build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> Ker
         tok_pos=i32(layout.pos),
         tok_cmp_start=i32(layout.cmp_starts[layout.seq]),
         tok_t_hi=i32(torch.minimum(t + params.window, layout.ends[layout.seq])),
+        tok_index=i32(t),
         cmp_t_lo=i32(cmp_seq_start + layout.cmp_idx * params.cmp_stride + params.cmp_block - 1),
         cmp_t_hi=i32(layout.ends[layout.cmp_seq]),
     )
