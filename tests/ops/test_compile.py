@@ -14,7 +14,7 @@ from nsa.models import LanguageModel, ModelConfig
 
 pytest.importorskip("triton")
 
-from nsa.ops.triton.attention import attention_fwd_op, select_op  # noqa: E402
+from nsa.ops.triton.attention import attention_bwd_op, attention_fwd_op, select_op  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -33,11 +33,16 @@ def op_inputs(T=19, HQ=4, H=2, Dk=16, Dv=8, seed=0):
     return tensors
 
 
-def test_attention_op_passes_opcheck():
-    """Schema, fake (meta) implementation, autograd registration and dispatch are consistent."""
-    inputs = op_inputs()
+def test_attention_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and dispatch of the forward and backward ops are
+    consistent (their autograd is an autograd.Function, whose gradients the backend tests
+    compare with the reference)."""
+    inputs = [t.detach() for t in op_inputs()]
     args = (*inputs, None, *SMALL.values(), 0.25)
     torch.library.opcheck(attention_fwd_op, args)
+    out, *saved = attention_fwd_op(*args)
+    torch.library.opcheck(attention_bwd_op, (torch.randn_like(out), *inputs, *saved, None,
+                                             *SMALL.values(), 0.25))
 
 
 def test_select_op_passes_opcheck():

@@ -1,5 +1,6 @@
 """The Triton backend's op: forward and backward composed from the branch modules, registered
-with torch.library (forward, backward, selection) with fake kernels and autograd.
+with torch.library (forward, backward, selection) with fake kernels, and differentiated by an
+autograd.Function that calls the backward op.
 
 Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> selected
 attention -> window attention -> gated sum. Each branch output is kept in float32 for the
@@ -121,24 +122,25 @@ def _(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved_and_params):
     return [torch.empty_like(x) for x in (q, k, v, k_cmp, v_cmp, gates, k_win, v_win)]
 
 
-def _setup_context(ctx, inputs, output):
-    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, *params, scale) = inputs
-    _, *saved = output
-    ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved)
-    ctx.cu_seqlens, ctx.params, ctx.scale = cu_seqlens, params, scale
-    # Only ``out`` reaches users; the other outputs are saved for the backward. Materialized
-    # gradients of those would be zero tensors the size of three branch outputs (2 ms of fills
-    # at 64k).
-    ctx.set_materialize_grads(False)
+class _AttentionFunction(torch.autograd.Function):
+    """The op's autograd: the forward op, then the backward op on what it saved. A plain
+    autograd.Function rather than torch.library's ``register_autograd``: it issues about
+    0.5 ms less host work per forward+backward on the GPU machine's host (bench/NOTES.md, v11),
+    and torch.compile traces it with the two ops as opaque nodes."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, values, scale):
+        out, *saved = attention_fwd_op(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens,
+                                       *values, scale)
+        ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved)
+        ctx.cu_seqlens, ctx.values, ctx.scale = cu_seqlens, values, scale
+        return out
 
-def _attention_grad(ctx, grad_outputs):
-    grads = attention_bwd_op(grad_outputs[0], *ctx.saved_tensors, ctx.cu_seqlens, *ctx.params,
-                             ctx.scale)
-    return (*grads, None, *(None for _ in PARAM_NAMES), None)
-
-
-attention_fwd_op.register_autograd(_attention_grad, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = attention_bwd_op(grad_out, *ctx.saved_tensors, ctx.cu_seqlens, *ctx.values,
+                                 ctx.scale)
+        return (*grads, None, None, None)
 
 
 @torch.library.custom_op("nsa::select", mutates_args=())
@@ -163,9 +165,9 @@ def _(q, k_cmp, cu_seqlens, cmp_block, cmp_stride, sel_block, num_selected, num_
 
 def nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams,
                          scale: float, cu_seqlens=None) -> torch.Tensor:
-    values = [getattr(params, name) for name in PARAM_NAMES]
-    return attention_fwd_op(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, *values,
-                            scale)[0]
+    values = tuple(getattr(params, name) for name in PARAM_NAMES)
+    return _AttentionFunction.apply(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens,
+                                    values, scale)
 
 
 def nsa_select_triton(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None):

@@ -11,12 +11,12 @@
   sort); long lists (the forced first block is chosen by every position) are split so no
   program runs alone for long. ``_segment_starts_kernel`` numbers the segments (one program,
   a running sum over the lists) and each dK/dV program finds its list by a binary search, so
-  the index costs a sort, a search and three launches rather than some forty small PyTorch
-  ops (host time: bench/NOTES.md, v11). Each segment writes a partial dK/dV;
-  ``_sum_segments_kernel`` adds a block's partials in a fixed order and writes dK and dV in
-  their dtype: deterministic, no atomics. Entries of positions
-  inside the block (they see part of it) and a segment's last tile run first, multiplying
-  finite parts only (common.py, Masks); the others see the whole block: plain products.
+  the index costs a sort, a search, three elementwise ops and three launches rather than some
+  forty small PyTorch ops (host time: bench/NOTES.md, v11). Each segment writes a partial
+  dK/dV; ``_sum_segments_kernel`` adds a block's partials in a fixed order and writes dK and
+  dV in their dtypes: deterministic, no atomics. Entries of positions inside the block (they
+  see part of it) and a segment's last tile run first, multiplying finite parts only
+  (common.py, Masks); the others see the whole block: plain products.
 """
 
 from __future__ import annotations
@@ -176,24 +176,17 @@ def _selected_bwd_dq_kernel(
 
 
 @triton.jit
-def _entry_position(ORDER, e, mask, T, HN):
-    """Position t of list entries e: ORDER holds the flat indices (b, t, h, slot) of the
-    sorted selections, HN = H · n."""
-    return (tl.load(ORDER + e, mask=mask, other=0) // HN % T).to(tl.int32)
-
-
-@triton.jit
-def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, ORDER, b, h, stride_qb,
+def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb,
                 stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-                T, HN, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
+                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
     """q, do, lse, delta of the P entries (positions) from e_start (below e_hi) x G heads, and
     the mask of their pairs with the block's tokens s (s <= t)."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
     e = e_start + r // G
     row_ok = (r < P * G) & (e < e_hi)
-    t = _entry_position(ORDER, e, row_ok, T, HN)
+    t = tl.load(entry_pos + e, mask=row_ok, other=0)
     hq = h * G + r % G
     t64 = t.to(tl.int64)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
@@ -243,16 +236,16 @@ def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr
 @triton.jit
 def _selected_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
-    SEG_FIRST, OFFSETS, ORDER,
+    SEG_FIRST, OFFSETS, entry_pos,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    T, H, HN, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
+    H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
     SEGMENT: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list
-    (ORDER: the sorted selections' flat indices; OFFSETS: where each list starts in them)."""
+    (entry_pos: the positions of all lists, one after the other; OFFSETS: each list's start)."""
     P: tl.constexpr = BLOCK_R // G
     seg = tl.program_id(0)
     list_id, e_lo, e_hi = _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS,
@@ -275,7 +268,7 @@ def _selected_bwd_dkdv_kernel(
     # come first. Entries from e_full on see the whole block.
     e = e_lo + tl.arange(0, BLOCK_S)
     in_seg = e < e_hi
-    before = _entry_position(ORDER, e, in_seg, T, HN) < s_hi - 1
+    before = tl.load(entry_pos + e, mask=in_seg, other=0) < s_hi - 1
     e_full = e_lo + tl.sum((in_seg & before).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
@@ -283,14 +276,14 @@ def _selected_bwd_dkdv_kernel(
     for i in range(0, num_partial):
         q, do, lse, delta, valid = _entry_tile(
             partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, Q, DO, LSE, DELTA,
-            ORDER, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, T, HN, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
+            entry_pos, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
         acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
                                  True)
     for e_start in range(full_lo, full_hi, P):
         q, do, lse, delta, valid = _entry_tile(
-            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, ORDER, b, h, stride_qb, stride_qt,
-            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, T, HN, G, DK, DV,
+            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb, stride_qt,
+            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
             BLOCK_DK, BLOCK_DV, BLOCK_R)
         acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
                                  False)
@@ -408,16 +401,17 @@ def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
 
 
 def _inverse_index(idx, tables, params):
-    """For each (b, h, global block), the selections that chose it: (number of global blocks,
-    block token ranges, ``offsets`` [lists + 1] of each list in ``order``, ``order``: the flat
-    (b, t, h, slot) indices of the selections sorted by list, positions ascending)."""
+    """For each (b, h, global block), the positions that selected it, as CSR: (number of
+    global blocks, block token ranges, int32 ``offsets`` [lists + 1] of each list in
+    ``entry_pos``, the int32 positions of all lists, each ascending)."""
     B, T, H, n = idx.shape
     num_global, block_start, block_end, list_first, boundaries = (
         _selection_blocks(tables, params, B, H))
     list_id = torch.where(idx >= 0, list_first + idx, B * H * num_global)
     order = torch.sort(list_id.flatten(), stable=True)
-    return (num_global, block_start, block_end, torch.searchsorted(order.values, boundaries),
-            order.indices)
+    entry_pos = i32(order.indices // (H * n) % T)  # flat index (b, t, h, slot) -> t
+    offsets = torch.searchsorted(order.values, boundaries, out_int32=True)
+    return num_global, block_start, block_end, offsets, entry_pos
 
 
 def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *,
@@ -434,7 +428,7 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *
         H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
         **_selected_launch("dq", q, k, v, params),
     )
-    num_global, block_start, block_end, offsets, order = _inverse_index(idx, tables, params)
+    num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Every list of positions is cut into segments of at most SELECTED_SEGMENT entries.
     num_lists = offsets.numel() - 1
     seg_first = torch.empty(num_lists + 1, dtype=torch.int32, device=q.device)
@@ -447,8 +441,8 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *
     R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
     _selected_bwd_dkdv_kernel[(num_segments,)](
         q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end, seg_first, offsets,
-        order, *strides_qkv, *strides(do), *lse.stride()[:2],
-        T, H, H * params.num_selected, num_global, num_lists, scale * LOG2E, scale,
+        entry_pos, *strides_qkv, *strides(do), *lse.stride()[:2],
+        H, num_global, num_lists, scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
         IEEE=meta["IEEE"], SEGMENT=SELECTED_SEGMENT, SEARCH_STEPS=num_lists.bit_length(),
         **launch,
