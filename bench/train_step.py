@@ -2,7 +2,9 @@
 
 One step = forward + backward + AdamW update. On CUDA memory is the peak allocated; on the CPU
 it is the bytes autograd saves for backward (what grows with depth). Both must grow linearly in
-the number of layers.
+the number of layers. "host ms" is the time the step's Python takes to issue its work (before
+the final synchronize): where it is close to the step time, the step is bound by host work,
+not by the GPU.
 
     python bench/train_step.py                                   # CPU, the old "hang" shape
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --device cuda
@@ -56,7 +58,7 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
                 else nullcontext())
-    times, saved = [], [0]
+    times, host_times, saved = [], [], [0]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + steps):
@@ -67,12 +69,15 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        issued = time.perf_counter()
         synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            host_times.append(issued - start)
     step = statistics.median(times)
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved[0])
-    return {"step_ms": step * 1e3, "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
+    return {"step_ms": step * 1e3, "host_ms": statistics.median(host_times) * 1e3,
+            "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
             "params_m": model.num_parameters() / 1e6}
 
 
@@ -104,15 +109,16 @@ def main(argv=None) -> None:
           f"heads {heads}, autocast {autocast_dtype}, "
           f"backend {args.backend}, compiled blocks {args.compile}, "
           f"median of {args.steps} steps")
-    print(f"| attention | layers | params (M) | step (ms) | tokens/s | {memory_kind} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| attention | layers | params (M) | step (ms) | host (ms) | tokens/s | {memory_kind} |")
+    print("|---|---|---|---|---|---|---|")
     for attention in args.attention.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
             r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype,
                            args.compile)
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
-                  f"{r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |", flush=True)
+                  f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

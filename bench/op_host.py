@@ -1,0 +1,97 @@
+"""Host (issue) time against GPU time of one NSA op forward+backward at a training shape.
+
+    python bench/op_host.py                        # m7c-125m layer shape, B = 8, T = 2048
+    python bench/op_host.py --batch 1 --seq 16384
+
+The op is host-bound where the Python that issues its kernels takes longer than the GPU runs
+them (issue 11 asks host time below GPU time at the m7c shape, B = 8). K and V are strided
+views of one [B, T, 3, H, Dk + Dv] projection, as the layer passes them. Host time: ``--calls``
+calls issued without a synchronize, median of ``--repeats``; GPU time: the kernels' time from
+torch.profiler (CUDA only). On the CPU (PyTorch backend) the two are one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import nsa
+
+PAPER = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
+
+
+def layer_inputs(B, T, HQ, H, D, dtype, device):
+    """q, k, v, k_cmp, v_cmp, gates, k_win, v_win as an NSA layer passes them (leaves)."""
+    Tc = nsa.compressed_length(T, PAPER["cmp_block"], PAPER["cmp_stride"])
+    make = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
+    kv = make(B, T, 3, H, 2 * D)
+    gates = torch.rand(B, T, HQ, 3, dtype=dtype, device=device, requires_grad=True)
+    return (make(B, T, HQ, D), kv[:, :, 1, :, :D], kv[:, :, 1, :, D:], make(B, Tc, H, D),
+            make(B, Tc, H, D), gates, kv[:, :, 2, :, :D], kv[:, :, 2, :, D:])
+
+
+def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v, k_cmp, v_cmp, gates, k_win, v_win = layer_inputs(B, T, HQ, H, D, dtype, device)
+    grad = torch.randn_like(q)
+
+    def forward():
+        return nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
+                                 **PAPER)
+
+    def forward_backward():
+        forward().backward(grad)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    result = {}
+    for name, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
+        for _ in range(3):  # compile, build tables
+            fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e3)
+            sync()
+        result[f"{name}_host_ms"] = statistics.median(times)
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                forward_backward()
+            sync()
+        kernels = sum(e.self_device_time_total for e in prof.key_averages())
+        result["fwd_bwd_gpu_ms"] = kernels / calls / 1e3
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", default="12,2", help="HQ,H (default: m7c-125m)")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    HQ, H = (int(x) for x in args.heads.split(","))
+    device = torch.device(args.device)
+    r = measure(args.batch, args.seq, HQ, H, args.dim, args.calls, args.repeats, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}")
+    print("| fwd host ms | fwd+bwd host ms | fwd+bwd GPU ms |")
+    print("|---|---|---|")
+    gpu = f"{r['fwd_bwd_gpu_ms']:.2f}" if "fwd_bwd_gpu_ms" in r else "(CPU)"
+    print(f"| {r['fwd_host_ms']:.2f} | {r['fwd_bwd_host_ms']:.2f} | {gpu} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Plot host (issue) time against GPU time from a host-time results JSON: the op per
+forward+backward by version, and the training step by attention kind.
+
+    python bench/plot_host.py bench/results/host-v11-h100-2026-11-25.json docs/host-v11-h100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def bars(ax, labels, pairs, names, title):
+    """Side-by-side bars: for each label, one bar per series in ``names``."""
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [p[i] for p in pairs], width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("png")
+    args = parser.parse_args(argv)
+    with open(args.results) as f:
+        data = json.load(f)
+    fig, (op_ax, step_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    bars(op_ax, [r["version"] for r in data["op"]],
+         [(r["fwd_bwd_host_ms"], r["fwd_bwd_gpu_ms"]) for r in data["op"]],
+         ("host (issue)", "GPU"), "NSA op, one forward+backward")
+    bars(step_ax, [r["attention"] for r in data["step"]],
+         [(r["host_ms"], r["wall_ms"]) for r in data["step"]], ("host (issue)", "wall"),
+         "m7c-125m training step")
+    fig.suptitle(f"{data['meta']['device']}: {data['meta']['shape'].split(';')[0]}")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
