@@ -5,24 +5,14 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import plot_arguments, plt
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
-    parser.add_argument("png")
-    parser.add_argument("--heads", default="64,4", help="HQ,H of the T sweep to plot")
-    args = parser.parse_args(argv)
+    args, data = plot_arguments(__doc__, argv, lambda parser: parser.add_argument(
+        "--heads", default="64,4", help="HQ,H of the T sweep to plot"))
     HQ, H = (int(x) for x in args.heads.split(","))
-    with open(args.results) as f:
-        data = json.load(f)
     rows = data["rows"] if isinstance(data, dict) else data  # --json: {meta, rows}
     # The GPU named by --json's meta (bare --out lists predate it: those runs were on H200s).
     device = data["meta"]["device"] if isinstance(data, dict) else "NVIDIA H200"

@@ -5,23 +5,13 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+from matplotlib.ticker import NullFormatter
+from plotting import plot_arguments, plt
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
-    parser.add_argument("png")
-    args = parser.parse_args(argv)
-    with open(args.results) as f:
-        steps = json.load(f)["steps"]
+    args, data = plot_arguments(__doc__, argv)
+    steps = data["steps"]
     batches = sorted({r["B"] for r in steps})
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, B in zip(axes[0], batches, strict=True):

@@ -6,13 +6,7 @@ forward+backward by version, and the training step by attention kind.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import plot_arguments, plt
 
 
 def bars(ax, labels, pairs, names, title):
@@ -28,12 +22,7 @@ def bars(ax, labels, pairs, names, title):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
-    parser.add_argument("png")
-    args = parser.parse_args(argv)
-    with open(args.results) as f:
-        data = json.load(f)
+    args, data = plot_arguments(__doc__, argv)
     fig, (op_ax, step_ax) = plt.subplots(1, 2, figsize=(11, 4))
     bars(op_ax, [r["version"] for r in data["op"]],
          [(r["fwd_bwd_host_ms"], r["fwd_bwd_gpu_ms"]) for r in data["op"]],

@@ -1,0 +1,27 @@
+"""The plot scripts draw the results kept in bench/results (what BENCHMARKS.md shows)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import plot_attention  # noqa: E402
+import plot_decode  # noqa: E402
+import plot_host  # noqa: E402
+
+RESULTS = BENCH / "results"
+
+
+@pytest.mark.parametrize("script, results, options", [
+    (plot_attention, "attention-peers-h100-2026-11-25-v10.json", ["--heads", "64,4"]),
+    (plot_decode, "decode-v2-h100-2026-11-25.json", []),
+    (plot_host, "host-v11-h100-2026-11-25.json", []),
+], ids=["attention", "decode", "host"])
+def test_plot_writes_a_png(script, results, options, tmp_path):
+    png = tmp_path / "plot.png"
+    script.main([str(RESULTS / results), str(png), *options])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
