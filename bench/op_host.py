@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
+from attention import PAPER  # bench/attention.py: the paper's block parameters
+from train_step import synchronize
 
 import nsa
-
-PAPER = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 
 def layer_inputs(B, T, HQ, H, D, dtype, device):
@@ -45,28 +45,24 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
     def forward_backward():
         forward().backward(grad)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     result = {}
     for name, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
         for _ in range(3):  # compile, build tables
             fn()
-        sync()
+        synchronize(device)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
             times.append((time.perf_counter() - start) / calls * 1e3)
-            sync()
+            synchronize(device)
         result[f"{name}_host_ms"] = statistics.median(times)
     if device.type == "cuda":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 forward_backward()
-            sync()
+            synchronize(device)
         kernels = sum(e.self_device_time_total for e in prof.key_averages())
         result["fwd_bwd_gpu_ms"] = kernels / calls / 1e3
     return result
