@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nsa.ops.triton_support import TRITON_AVAILABLE
+
+ROPE_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies."""
@@ -40,7 +44,17 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by the angles of
-    :func:`rope_angles`."""
+    :func:`rope_angles`, in float32, the result in x's dtype: one Triton kernel (forward and
+    backward) for CUDA tensors where Triton is installed, :func:`rotate_torch` otherwise."""
+    if x.is_cuda and TRITON_AVAILABLE and x.dtype in ROPE_TRITON_DTYPES:
+        from nsa.ops.triton.rope import rope_triton
+
+        return rope_triton(x, cos, sin)
+    return rotate_torch(x, cos, sin)
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` in PyTorch ops (the CPU form and the reference)."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
