@@ -13,6 +13,7 @@
 # user:  the real user path: m7c-125m ($PRESET) trained $STEPS (40) steps in bf16 on the
 #        bundled corpus (bytes tokenizer: no download), ending with its sample, then
 #        `nsa generate` from the run (CUDA graphs): $OUT/train.log, $OUT/generate.log.
+#        $TRAIN_ARGS: more overrides for the training run (e.g. cuda_graph=true).
 set -uo pipefail
 OUT=${OUT:-/tmp/nsa-gpu-check}
 mkdir -p "$OUT"
@@ -63,7 +64,7 @@ PY
         $PY -m nsa.train --preset "${PRESET:-m7c-125m}" --overwrite data=shakespeare tokenizer=bytes \
             max_steps=${STEPS:-40} log_interval=10 eval_interval=20 eval_steps=2 \
             checkpoint_interval=40 sample_prompt="ROMEO:" sample_tokens=200 \
-            run_dir="$RUN" > "$OUT/train.log" 2>&1
+            run_dir="$RUN" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
         code=$?; [ $code -eq 0 ] || status=1
         echo "train: exit $code"; tail -4 "$OUT/train.log"
         $PY -m nsa.cli generate --model "$RUN" --prompt "ROMEO:" --max-tokens 300 \

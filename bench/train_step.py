@@ -8,6 +8,7 @@ not by the GPU.
 
     python bench/train_step.py                                   # CPU, the old "hang" shape
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --device cuda
+    python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --cuda-graph
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig, model_preset
+from nsa.train.graphs import CUDAGraphStep
 
 # The shape on which the earlier system hung in backward at >= 5 layers.
 HANG_SHAPE = replace_fields(
@@ -46,7 +48,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
-               autocast_dtype: torch.dtype | None, compile_blocks: bool = False) -> dict:
+               autocast_dtype: torch.dtype | None, compile_blocks: bool = False,
+               cuda_graph: bool = False) -> dict:
     torch.manual_seed(0)
     model = LanguageModel(config).to(device)
     if compile_blocks:  # as the trainer's compile=true: torch.compile per block
@@ -56,19 +59,31 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
     seq = config.max_seq_len
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
-                else nullcontext())
+    autocast = (torch.autocast(device.type, dtype=autocast_dtype, cache_enabled=not cuda_graph)
+                if autocast_dtype else nullcontext())
+
+    def forward_backward(step_inputs):
+        with autocast:
+            loss = model(**step_inputs[0])
+        loss.backward()
+        return (loss.detach(),)
+
+    graphed = CUDAGraphStep(forward_backward, optimizer) if cuda_graph else None
+    if cuda_graph:  # the eager warm-up steps and the capture are not timed
+        warmup = max(warmup, graphed.warmup + 1)
     times, host_times, saved = [], [], [0]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + steps):
         synchronize(device)
         start = time.perf_counter()
-        with autocast, (count_saved_bytes(saved) if i == 0 else nullcontext()):
-            loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is not None:
+            graphed([{"tokens": inputs, "targets": targets}])
+        else:
+            with count_saved_bytes(saved) if i == 0 else nullcontext():
+                forward_backward([{"tokens": inputs, "targets": targets}])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         issued = time.perf_counter()
         synchronize(device)
         if i >= warmup:
@@ -96,9 +111,14 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block, as the trainer's compile=true")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay each step's forward and backward from one CUDA graph, as "
+                             "the trainer's cuda_graph=true (CUDA only)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
+    if args.cuda_graph and device.type != "cuda":
+        parser.error("--cuda-graph needs a CUDA device")
     base = model_preset(args.preset) if args.preset else HANG_SHAPE
     base = replace_fields(base, backend=args.backend, max_seq_len=args.seq or base.max_seq_len)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
@@ -108,6 +128,7 @@ def main(argv=None) -> None:
     print(f"# {name}, batch {args.batch}, seq {base.max_seq_len}, dim {base.dim}, "
           f"heads {heads}, autocast {autocast_dtype}, "
           f"backend {args.backend}, compiled blocks {args.compile}, "
+          f"CUDA graph {args.cuda_graph}, "
           f"median of {args.steps} steps")
     print(f"| attention | layers | params (M) | step (ms) | host (ms) | tokens/s | {memory_kind} |")
     print("|---|---|---|---|---|---|---|")
@@ -115,7 +136,7 @@ def main(argv=None) -> None:
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
             r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype,
-                           args.compile)
+                           args.compile, args.cuda_graph)
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
                   f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |",
                   flush=True)

@@ -55,6 +55,7 @@ from nsa.train.distributed import (
 )
 from nsa.train.errors import SetupError
 from nsa.train.flops import flops_metrics, matmul_params, model_flops_per_token, peak_flops
+from nsa.train.graphs import CUDAGraphStep
 from nsa.train.metrics import MetricsLog, Progress
 from nsa.train.streams import TokenStream, build_stream, local_batch_size
 from nsa.train.tokenizer import TOKENIZERS, Tokenizer, TokenizerUnavailableError, get_tokenizer
@@ -96,6 +97,8 @@ def train(config: RunConfig, resume: bool | str = False, overwrite: bool = False
     ctx = init_distributed(t.device, t.parallel)
     try:
         check_attention_backend(config.model, ctx.device)
+        if t.cuda_graph and ctx.device.type != "cuda":
+            raise SetupError(f"cuda_graph=true needs a CUDA device, got {ctx.device.type}")
         with run_dir_lock(Path(t.run_dir), ctx):
             return _train(config, ctx, resume, overwrite)
     finally:
@@ -129,6 +132,8 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
+    graphed = (CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer)
+               if t.cuda_graph else None)
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     peak = peak_flops(device)
     log = print if ctx.is_main else (lambda *args, **kwargs: None)
@@ -154,7 +159,10 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
         for step in range(start + 1, t.max_steps + 1):
             lr = set_learning_rate(optimizer, step, t)
             micro = (train_stream.next_batch() for _ in range(t.grad_accum))
-            local_loss, grad_norm = train_step(model, optimizer, micro, device, t, eot)
+            if graphed is None:
+                local_loss, grad_norm = train_step(model, optimizer, micro, device, t, eot)
+            else:
+                local_loss, grad_norm = graphed([model_inputs(x, y, device) for x, y in micro])
             loss = all_reduce_mean(local_loss, ctx)
             diverged |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
             throughput.step()
@@ -408,10 +416,11 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, t: TrainConfi
     return lr
 
 
-def autocast(device: torch.device, enabled: bool) -> torch.autocast:
-    """bf16 autocast on CUDA when ``enabled``; a no-op on the CPU."""
+def autocast(device: torch.device, enabled: bool, cache: bool = True) -> torch.autocast:
+    """bf16 autocast on CUDA when ``enabled``; a no-op on the CPU. ``cache``: reuse a weight's
+    bf16 copy within the autocast region."""
     return torch.autocast(device.type, dtype=torch.bfloat16,
-                          enabled=enabled and device.type == "cuda")
+                          enabled=enabled and device.type == "cuda", cache_enabled=cache)
 
 
 def model_inputs(x: torch.Tensor, y: torch.Tensor, device: torch.device,
@@ -431,30 +440,37 @@ def model_inputs(x: torch.Tensor, y: torch.Tensor, device: torch.device,
             "cu_seqlens": document_offsets(x, eot)}
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-               t: TrainConfig, eot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over ``grad_accum`` micro-batches; gradients are reduced across
-    ranks only on the last one. ``eot``: masks documents (:func:`model_inputs`).
-
-    Returns (this rank's mean loss, global gradient norm before clipping) as device tensors
-    (no host sync).
-    """
+def forward_backward(model: nn.Module, inputs: list[dict[str, torch.Tensor]],
+                     device: torch.device, t: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward and backward passes of one step over ``grad_accum`` micro-batches (the model's
+    arguments, :func:`model_inputs`), then gradient clipping; gradients are reduced across ranks
+    only on the last micro-batch. Returns (this rank's mean loss, global gradient norm before
+    clipping) as device tensors (no host sync). No optimizer step."""
     total = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(batches):
-        inputs = model_inputs(x, y, device, eot)
-        with gradient_sync(model, enabled=i == t.grad_accum - 1):
-            with autocast(device, t.autocast):
-                loss = model(**inputs) / t.grad_accum
+    for i, micro in enumerate(inputs):
+        with gradient_sync(model, enabled=i == len(inputs) - 1):
+            # No autocast weight cache in a CUDA graph: its casts would be captured once.
+            with autocast(device, t.autocast, cache=not t.cuda_graph):
+                loss = model(**micro) / t.grad_accum
             loss.backward()
         total += loss.detach()
     max_norm = math.inf if t.grad_clip is None else t.grad_clip
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
+    return total, grad_norm
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+               t: TrainConfig, eot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One eager optimizer step over ``grad_accum`` host micro-batches (x, y); ``eot``: masks
+    documents (:func:`model_inputs`). Returns :func:`forward_backward`'s (loss, grad norm)."""
+    inputs = [model_inputs(x, y, device, eot) for x, y in batches]
+    loss, grad_norm = forward_backward(model, inputs, device, t)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    return loss, grad_norm
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

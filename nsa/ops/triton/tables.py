@@ -34,13 +34,14 @@ def i32(x: torch.Tensor) -> torch.Tensor:
 
 def build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> KernelTables:
     """The tables of a batch; those of unpacked batches (no ``cu_seqlens``) depend on shapes
-    only and are built once per (T, Tc, params, device)."""
+    only and are built once per (T, Tc, params, device) and kept for the process (a few int32
+    vectors of length T each)."""
     if cu_seqlens is None:
         return _unpacked_tables(T, Tc, params, device)
     return _build_tables(T, Tc, cu_seqlens, params, device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.cache  # never evicted: a captured CUDA graph (nsa.train.graphs) reads them by address
 def _unpacked_tables(T: int, Tc: int, params: NSAParams, device) -> KernelTables:
     return _build_tables(T, Tc, None, params, device)
 

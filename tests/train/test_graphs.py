@@ -1,0 +1,124 @@
+"""cuda_graph=true: the training step replayed from one CUDA graph (nsa/train/graphs.py) trains
+exactly as the eager step does. On the CPU: the settings it refuses; on a GPU: graphed against
+eager steps on real text, step by step, and through the trainer."""
+
+import math
+from importlib import resources
+
+import pytest
+import torch
+
+from nsa.models import LanguageModel
+from nsa.train import build_config, train
+from nsa.train.errors import SetupError
+from nsa.train.graphs import WARMUP_STEPS, CUDAGraphStep
+from nsa.train.trainer import build_optimizer, forward_backward, model_inputs, train_step
+
+from .test_trainer import losses
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("override", ["parallel=ddp", "parallel=fsdp", "doc_masking=true"])
+def test_cuda_graph_refuses_what_changes_between_steps(override):
+    with pytest.raises(ValueError, match="cuda_graph=true replays one fixed step"):
+        build_config("tiny", ["cuda_graph=true", override, "data=shakespeare"])
+
+
+def test_cuda_graph_needs_a_cuda_device(tiny_overrides):
+    with pytest.raises(SetupError, match="cuda_graph=true needs a CUDA device, got cpu"):
+        train(build_config("tiny", [*tiny_overrides, "cuda_graph=true", "device=cpu"]))
+
+
+def test_graph_step_needs_a_warm_up_step():
+    with pytest.raises(ValueError, match="warmup must be >= 1"):
+        CUDAGraphStep(lambda inputs: (), torch.optim.SGD([torch.zeros(1)], lr=1.0), warmup=0)
+
+
+def text_batches(steps: int, accum: int, batch: int, seq: int) -> list:
+    """Byte windows of the bundled corpus, a different stretch for every micro-batch."""
+    text = resources.files("nsa.data").joinpath("tiny_shakespeare.txt").read_bytes()
+    tokens = torch.tensor(list(text[: 200_000]), dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, tokens.numel() - seq - 1, (steps, accum, batch), generator=g)
+    return [[(torch.stack([tokens[s:s + seq] for s in micro]),
+              torch.stack([tokens[s + 1:s + seq + 1] for s in micro])) for micro in step]
+            for step in starts]
+
+
+def run_steps(kind: str, graphed: bool, batches: list, overrides=(), device="cuda"):
+    """(loss per step, final parameters) of the tiny model trained on ``batches``."""
+    seq = batches[0][0][0].shape[1]
+    config = build_config("tiny", [f"attention={kind}", "lr=1e-2", "warmup_steps=0",
+                                   f"grad_accum={len(batches[0])}", f"seq_len={seq}",
+                                   f"cuda_graph={str(graphed).lower()}", *overrides])
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = LanguageModel(config.model).to(device)
+    model.checkpoint_blocks = config.train.activation_checkpointing
+    if config.train.compile:
+        for block in model.blocks:
+            block.compile()
+    optimizer = build_optimizer(model, config.train)
+    t = config.train
+    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer)
+    step_losses = []
+    for micro in batches:
+        if graphed:
+            loss, _ = step([model_inputs(x, y, device) for x, y in micro])
+        else:
+            loss, _ = train_step(model, optimizer, micro, device, t)
+        step_losses.append(loss.item())
+    assert step.captured == graphed and step.calls == (len(batches) if graphed else 0)
+    return step_losses, torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind,accum,overrides", [
+    ("nsa", 1, ()), ("dense", 1, ()), ("nsa", 2, ()),
+    ("nsa", 1, ("activation_checkpointing=true",)), ("nsa", 1, ("compile=true",)),
+], ids=["nsa", "dense", "nsa-accum2", "nsa-checkpointing", "nsa-compile"])
+def test_graphed_steps_train_as_the_eager_steps(kind, accum, overrides):
+    steps = WARMUP_STEPS + 5  # eager warm-up, the capture (replayed at once), four replays
+    batches = text_batches(steps, accum, batch=2, seq=96)
+    eager_losses, eager_params = run_steps(kind, False, batches, overrides)
+    graph_losses, graph_params = run_steps(kind, True, batches, overrides)
+    # The replays must read each step's new batch: training on a stale one (the first batch
+    # again and again) moves the losses by far more than the tolerance.
+    stale_losses, _ = run_steps(kind, False, batches[:WARMUP_STEPS + 1] * 2, overrides)
+    assert max(abs(a - b) for a, b in zip(stale_losses[WARMUP_STEPS + 1:],
+                                          eager_losses[WARMUP_STEPS + 1:])) > 0.05
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses),
+                               rtol=0, atol=5e-3)
+    torch.testing.assert_close(graph_params, eager_params, rtol=0, atol=5e-3)
+
+
+@needs_cuda
+def test_graph_step_refuses_new_shapes():
+    batches = text_batches(WARMUP_STEPS + 2, 1, batch=2, seq=64)
+    config = build_config("tiny", ["cuda_graph=true", "seq_len=64"])
+    device = torch.device("cuda")
+    model = LanguageModel(config.model).to(device)
+    optimizer = build_optimizer(model, config.train)
+    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, config.train),
+                         optimizer)
+    for micro in batches:
+        step([model_inputs(x, y, device) for x, y in micro])
+    x, y = batches[0][0]
+    with pytest.raises(ValueError, match="same input shapes at every step"):
+        step([model_inputs(x[:, :32], y[:, :32], device)])
+
+
+@needs_cuda
+def test_trainer_with_cuda_graph_matches_the_eager_trainer(tmp_path, tiny_overrides):
+    overrides = [*tiny_overrides, "device=cuda", "max_steps=8", "lr=1e-2", "warmup_steps=2",
+                 "eval_interval=4", "checkpoint_interval=4"]
+    eager = train(build_config("tiny", [*overrides, f"run_dir={tmp_path / 'eager'}"]))
+    graphed = train(build_config("tiny", [*overrides, f"run_dir={tmp_path / 'graph'}",
+                                          "cuda_graph=true"]))
+    history, graph_history = losses(eager.run_dir), losses(graphed.run_dir)
+    assert sorted(graph_history) == list(range(1, 9))
+    for step in history:
+        assert math.isclose(graph_history[step], history[step], abs_tol=5e-3), step
+    assert math.isclose(graphed.val_loss, eager.val_loss, abs_tol=5e-3)
+    assert graphed.sample.startswith("ROMEO:")
