@@ -6,19 +6,7 @@ forward+backward by version, and the training step by attention kind.
 
 from __future__ import annotations
 
-from plotting import plot_arguments, plt
-
-
-def bars(ax, labels, pairs, names, title):
-    """Side-by-side bars: for each label, one bar per series in ``names``."""
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
-        ax.bar(xs, [p[i] for p in pairs], width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("ms")
-    ax.set_title(title)
-    ax.legend()
+from plotting import bars, plot_arguments, plt
 
 
 def main(argv=None):
