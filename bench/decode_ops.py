@@ -8,7 +8,8 @@ does (BENCHMARKS.md, Decoding v2: ~2.7 µs on an H200 for NSA and dense alike), 
 kernels predicts tokens/s. This runs one ``decode_step`` of the preset (random weights,
 float32, after a prefill) under a dispatch mode that records every aten op except views and
 allocations (which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA
-they are the three fused Triton kernels, here the PyTorch step.
+they are the three fused Triton kernels, here the PyTorch step. A RoPE rotation counts as one
+kernel (``rope``), as it runs on CUDA (nsa/ops/triton/rope.py), not as its PyTorch form.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa.layers.attention
+import nsa.layers.rope
 from nsa.models import LanguageModel, model_preset
 
 NO_KERNEL_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose",
@@ -39,15 +41,27 @@ class OpCounter(TorchDispatchMode):
         self.layer = collections.Counter()  # op name -> count, outside nsa_decode
         self.attention = 0  # ops inside nsa_decode
         self.inside_attention = False
+        self.inside_fused = False  # inside a function that is one kernel on CUDA
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name not in NO_KERNEL_OPS:
+        if name not in NO_KERNEL_OPS and not self.inside_fused:
             if self.inside_attention:
                 self.attention += 1
             else:
                 self.layer[name] += 1
         return func(*args, **(kwargs or {}))
+
+    def one_kernel(self, real, name: str):
+        """``real`` counted as the one kernel ``name`` it launches on CUDA."""
+        def counted(*args, **kwargs):
+            self.inside_fused = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.inside_fused = False
+                self.layer[name] += 1
+        return counted
 
     def nsa_decode(self, real):
         def counted(*args, **kwargs):
@@ -72,8 +86,11 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
     counter = OpCounter()
     with torch.no_grad():
         model.prefill(tokens, cache, torch.full((batch,), prompt))
+        rope = counter.one_kernel(nsa.layers.rope.rotate_torch, "rope")
         with mock.patch.object(nsa.layers.attention, "nsa_decode",
-                               counter.nsa_decode(nsa.layers.attention.nsa_decode)), counter:
+                               counter.nsa_decode(nsa.layers.attention.nsa_decode)), \
+                mock.patch.object(nsa.layers.attention, "rotate", rope), \
+                mock.patch.object(nsa.layers.rope, "rotate", rope), counter:
             model.decode_step(tokens[:, -1], cache, compress)
     return counter
 

@@ -18,11 +18,15 @@ def test_nsa_step_counts_its_cache_writes_apart_from_the_attention():
     # tokens (4 pairs); dense writes k/v (1 pair)
     assert nsa.layer["index_put_"] == 8 * layers
     assert dense.layer["index_put_"] == 2 * layers
+    # one kernel per RoPE rotation, as on CUDA: q and the selected and window keys (NSA), q
+    # and k (dense), and NSA's new compressed key
+    assert nsa.layer["rope"] == 4 * layers and dense.layer["rope"] == 2 * layers
     for counter in (nsa, dense):
         assert not set(counter.layer) & decode_ops.NO_KERNEL_OPS
     assert sum(nsa.layer.values()) > sum(dense.layer.values()) > 0
     skipped = decode_ops.count_decode_step("tiny", "nsa", batch=2, prompt=40, compress=False)
     assert skipped.layer["index_put_"] == 6 * layers  # no compressed-token write
+    assert skipped.layer["rope"] == 3 * layers
     assert sum(dense.layer.values()) < sum(skipped.layer.values()) < sum(nsa.layer.values())
 
 
