@@ -30,46 +30,40 @@ NO_KERNEL_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", 
             "split_with_sizes", "unbind", "as_strided", "alias", "detach", "lift_fresh",
             "flatten", "view_as", "empty"}  # views and allocations
 FUSED_DECODE_KERNELS = 3  # nsa/ops/triton/decode.py
+ATTENTION = "nsa_decode"  # OpCounter.apart: the ops of the attention step, counted apart
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops that launch work, dispatched while active, apart inside
-    ``nsa_decode``."""
+    """Counts the aten ops that launch work, dispatched while active: apart inside
+    ``nsa_decode``, and as one kernel inside a function that is one kernel on CUDA."""
 
     def __init__(self):
         super().__init__()
         self.layer = collections.Counter()  # op name -> count, outside nsa_decode
         self.attention = 0  # ops inside nsa_decode
-        self.inside_attention = False
-        self.inside_fused = False  # inside a function that is one kernel on CUDA
+        self.scope: str | None = None  # the counted-apart call being run: ATTENTION or a kernel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name not in NO_KERNEL_OPS and not self.inside_fused:
-            if self.inside_attention:
-                self.attention += 1
-            else:
-                self.layer[name] += 1
+        if name not in NO_KERNEL_OPS and self.scope is None:
+            self.layer[name] += 1
+        elif name not in NO_KERNEL_OPS and self.scope == ATTENTION:
+            self.attention += 1
         return func(*args, **(kwargs or {}))
 
-    def one_kernel(self, real, name: str):
-        """``real`` counted as the one kernel ``name`` it launches on CUDA."""
+    def apart(self, real, kernel: str = ATTENTION):
+        """``real`` counted apart: its ops into ``attention`` (``kernel=ATTENTION``, for
+        ``nsa_decode``), or as the one kernel ``kernel`` it launches on CUDA. Within an outer
+        counted-apart call, the outer one decides."""
         def counted(*args, **kwargs):
-            self.inside_fused = True
+            outer = self.scope
+            self.scope = outer or kernel
             try:
                 return real(*args, **kwargs)
             finally:
-                self.inside_fused = False
-                self.layer[name] += 1
-        return counted
-
-    def nsa_decode(self, real):
-        def counted(*args, **kwargs):
-            self.inside_attention = True
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.inside_attention = False
+                self.scope = outer
+                if outer is None and kernel != ATTENTION:
+                    self.layer[kernel] += 1
         return counted
 
 
@@ -86,9 +80,9 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
     counter = OpCounter()
     with torch.no_grad():
         model.prefill(tokens, cache, torch.full((batch,), prompt))
-        rope = counter.one_kernel(nsa.layers.rope.rotate_torch, "rope")
+        rope = counter.apart(nsa.layers.rope.rotate_torch, "rope")
         with mock.patch.object(nsa.layers.attention, "nsa_decode",
-                               counter.nsa_decode(nsa.layers.attention.nsa_decode)), \
+                               counter.apart(nsa.layers.attention.nsa_decode)), \
                 mock.patch.object(nsa.layers.attention, "rotate", rope), \
                 mock.patch.object(nsa.layers.rope, "rotate", rope), counter:
             model.decode_step(tokens[:, -1], cache, compress)
