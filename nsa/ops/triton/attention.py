@@ -19,6 +19,7 @@ import torch
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.gating import gate_backward, gated_sum
+from nsa.ops.triton.launch import unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
@@ -58,17 +59,11 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
 
 
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """x, or a copy where its last stride is not 1: the kernels read every other layout through
-    its strides (a layer's k and v are strided views of one projection: no copy per call)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win):
     """The op's inputs as the kernels read them (the gating kernels read the gates
     contiguous)."""
-    return (*map(_unit_stride, (q, k, v, k_cmp, v_cmp)), gates.contiguous(),
-            *map(_unit_stride, (k_win, v_win)))
+    return (*map(unit_stride, (q, k, v, k_cmp, v_cmp)), gates.contiguous(),
+            *map(unit_stride, (k_win, v_win)))
 
 
 # The op is registered with torch.library so torch.compile traces it as one opaque node (no

@@ -66,6 +66,12 @@ def shapes(q, k, v):
     return B, T, HQ, H, G, Dk, Dv
 
 
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where its last stride is not 1: the kernels read every other layout through
+    its strides (a layer's k and v are strided views of one projection: no copy per call)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def tile_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
     """A tensor descriptor (TMA loads) of x whose loads are ``box``-shaped tiles (zeros past
     x's edges), or None where TMA cannot read x: an empty x, a box dim that is not a power of

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.launch import pow2
+from nsa.ops.triton.launch import pow2, unit_stride
 
 ROPE_ROWS = 32  # (b, t, head) rows per program
 
@@ -61,9 +61,7 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: in
 
 @torch.library.custom_op("nsa::rope", mutates_args=())
 def rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return _rope_launch(x, cos, sin, -1 if inverse else 1)
+    return _rope_launch(unit_stride(x), cos, sin, -1 if inverse else 1)
 
 
 @rope_op.register_fake
