@@ -9,7 +9,8 @@ kernels predicts tokens/s. This runs one ``decode_step`` of the preset (random w
 float32, after a prefill) under a dispatch mode that records every aten op except views and
 allocations (which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA
 they are the three fused Triton kernels, here the PyTorch step. A RoPE rotation counts as one
-kernel (``rope``), as it runs on CUDA (nsa/ops/triton/rope.py), not as its PyTorch form.
+kernel (``rope``), as it runs on CUDA (nsa/ops/triton/rope.py), and so does the append of a
+step's keys and values to NSA's caches (``append_kv``, nsa/ops/triton/cache_append.py).
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
     with torch.no_grad():
         model.prefill(tokens, cache, torch.full((batch,), prompt))
         rope = counter.apart(nsa.layers.rope.rotate_torch, "rope")
+        append = counter.apart(nsa.layers.attention.append_kv, "append_kv")
         with mock.patch.object(nsa.layers.attention, "nsa_decode",
                                counter.apart(nsa.layers.attention.nsa_decode)), \
                 mock.patch.object(nsa.layers.attention, "rotate", rope), \
-                mock.patch.object(nsa.layers.rope, "rotate", rope), counter:
+                mock.patch.object(nsa.layers.rope, "rotate", rope), \
+                mock.patch.object(nsa.layers.attention, "append_kv", append), counter:
             model.decode_step(tokens[:, -1], cache, compress)
     return counter
 

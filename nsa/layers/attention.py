@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa.layers.cache import DenseCache, NSACache, ring_from_prefix, write_at
+from nsa.layers.cache import (
+    DenseCache,
+    NSACache,
+    append_kv,
+    ring_from_prefix,
+    split_kv_sets,
+    write_at,
+)
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
 from nsa.layers.rope import RotaryFrequencies, apply_rope, rope_angles, rotate
@@ -107,19 +114,18 @@ class NSAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
-    def _kv(self, x: torch.Tensor):
-        """-> (k_cmp_src, v_cmp_src, k_slc, v_slc, k_win, v_win), each [B, T, H, D]."""
+    def _kv_projection(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, dim] -> [B, T, sets, H, Dk + Dv]: the K/V sets of the branches."""
         c = self.config
         B, T, _ = x.shape
-        kv = self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads,
-                                  c.head_dim_k + c.head_dim_v)
-        k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)  # [B, T, sets, H, D]
-        # unbind: its backward stacks the sets' gradients in one copy (indexing each set
-        # would give each a zero-filled gradient of the whole projection, then sum them).
-        sets = list(zip(k.unbind(2), v.unbind(2)))
-        if self.num_kv_sets == 1:
-            sets = sets * 3
-        return [t for pair in sets for t in pair]
+        return self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads,
+                                    c.head_dim_k + c.head_dim_v)
+
+    def _query(self, x: torch.Tensor, angles) -> torch.Tensor:
+        """[B, T, dim] -> rotated queries [B, T, HQ, Dk]."""
+        c = self.config
+        B, T, _ = x.shape
+        return rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, dim] -> [B, T, HQ, 3] sigmoid gates, or a one-hot when a branch is forced."""
@@ -134,11 +140,10 @@ class NSAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, dim] at ``positions`` ([T] or [B, T]) -> q [B, T, HQ, Dk]; the compressor's
         un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D]."""
-        c = self.config
-        B, T, _ = x.shape
         angles = rope_angles(positions, self.rope.inv_freq)
-        q = rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
-        k_src, v_src, k_slc, v_slc, k_win, v_win = self._kv(x)
+        q = self._query(x, angles)
+        sets = split_kv_sets(self._kv_projection(x), self.config.head_dim_k)
+        (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = sets
         k_slc = rotate(k_slc, *angles)
         k_win = k_slc if self.num_kv_sets == 1 else rotate(k_win, *angles)
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win
@@ -237,11 +242,9 @@ class NSAttention(nn.Module):
         knows the positions can tell (:func:`completes_compressed_token`)."""
         c, p = self.config, self.config.nsa
         B = x.shape[0]
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, pos[:, None])
-        write_at((cache.k, cache.v), pos, (k_slc[:, 0], v_slc[:, 0]))
-        if cache.k_win is not None:
-            write_at((cache.k_win, cache.v_win), pos % p.window, (k_win[:, 0], v_win[:, 0]))
-        write_at((cache.src_k, cache.src_v), pos % p.cmp_block, (k_src[:, 0], v_src[:, 0]))
+        angles = rope_angles(pos[:, None], self.rope.inv_freq)
+        q = self._query(x, angles)
+        append_kv(cache, self._kv_projection(x), *angles, pos)
         num_cmp = cache.k_cmp.shape[1]
         if num_cmp and compress:
             start, complete = completing_block(p, pos)  # [B], [B]

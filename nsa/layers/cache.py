@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nsa.layers.rope import rotate
 from nsa.ops.decode import window_ring_positions
+from nsa.ops.triton_support import TRITON_AVAILABLE
 
 
 @dataclass
@@ -52,6 +54,46 @@ def write_at(buffers: tuple[torch.Tensor, ...], index: torch.Tensor,
             keep = enabled.view(-1, *([1] * (value.dim() - 1)))
             value = torch.where(keep, value, buffer[rows, index])
         buffer[rows, index] = value
+
+
+def split_kv_sets(kv: torch.Tensor, head_dim_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An NSA layer's K/V projection [B, T, sets, H, Dk + Dv] -> [(k, v)] of the compressed,
+    selected and window branches, each [B, T, H, D] (one set serves all three when shared)."""
+    k, v = kv.split([head_dim_k, kv.shape[-1] - head_dim_k], dim=-1)  # [B, T, sets, H, D]
+    # unbind: its backward stacks the sets' gradients in one copy (indexing each set would give
+    # each a zero-filled gradient of the whole projection, then sum them).
+    sets = list(zip(k.unbind(2), v.unbind(2)))
+    return sets * 3 if len(sets) == 1 else sets
+
+
+def append_kv(cache: NSACache, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              pos: torch.Tensor) -> None:
+    """Write one decode step's K/V projection kv [B, 1, sets, H, Dk + Dv] at positions ``pos``
+    [B] into ``cache``: the selected branch's key (rotated by cos/sin [B, 1, 1, Dk/2]) and value
+    at pos, the window branch's in its ring (when it has its own), the compressor's input (as
+    projected) in its ring. One Triton kernel on CUDA (nsa/ops/triton/cache_append.py),
+    :func:`append_kv_torch` otherwise."""
+    buffers = (cache.k, cache.v, cache.k_win, cache.v_win, cache.src_k, cache.src_v)
+    if (kv.is_cuda and TRITON_AVAILABLE and cos.dtype == torch.float32
+            and all(b is None or b.is_contiguous() for b in buffers)):
+        from nsa.ops.triton.cache_append import append_kv_triton
+
+        append_kv_triton(kv, cos, sin, pos, *buffers)
+    else:
+        append_kv_torch(kv, cos, sin, pos, *buffers)
+
+
+def append_kv_torch(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, k_win: torch.Tensor | None,
+                    v_win: torch.Tensor | None, src_k: torch.Tensor, src_v: torch.Tensor) -> None:
+    """:func:`append_kv` in PyTorch ops (the CPU form and the reference), on the buffers of an
+    :class:`NSACache`."""
+    (k_src, v_src), (k_slc, v_slc), (k_ring, v_ring) = split_kv_sets(kv, k.shape[-1])
+    write_at((k, v), pos, (rotate(k_slc, cos, sin)[:, 0], v_slc[:, 0]))
+    if k_win is not None:
+        write_at((k_win, v_win), pos % k_win.shape[1],
+                 (rotate(k_ring, cos, sin)[:, 0], v_ring[:, 0]))
+    write_at((src_k, src_v), pos % src_k.shape[1], (k_src[:, 0], v_src[:, 0]))
 
 
 def ring_from_prefix(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:

@@ -14,20 +14,21 @@ def test_nsa_step_counts_its_cache_writes_apart_from_the_attention():
     dense = decode_ops.count_decode_step("tiny", "dense", batch=2, prompt=40)
     layers = decode_ops.model_preset("tiny").num_layers
     assert nsa.attention > 0 and dense.attention == 0
-    # per layer: NSA writes k/v, the window ring, the compressor ring and the compressed
-    # tokens (4 pairs); dense writes k/v (1 pair)
-    assert nsa.layer["index_put_"] == 8 * layers
+    # per layer: NSA appends its keys/values to the caches and rings in one kernel and writes
+    # the compressed tokens (1 pair); dense writes k/v (1 pair)
+    assert nsa.layer["append_kv"] == layers and "append_kv" not in dense.layer
+    assert nsa.layer["index_put_"] == 2 * layers
     assert dense.layer["index_put_"] == 2 * layers
-    # one kernel per RoPE rotation, as on CUDA: q and the selected and window keys (NSA), q
-    # and k (dense), and NSA's new compressed key
-    assert nsa.layer["rope"] == 4 * layers and dense.layer["rope"] == 2 * layers
+    # one kernel per RoPE rotation, as on CUDA: q and NSA's new compressed key (the append
+    # rotates the selected and window keys), q and k (dense)
+    assert nsa.layer["rope"] == 2 * layers and dense.layer["rope"] == 2 * layers
     for counter in (nsa, dense):
         assert not set(counter.layer) & decode_ops.NO_KERNEL_OPS
     assert sum(nsa.layer.values()) > sum(dense.layer.values()) > 0
     skipped = decode_ops.count_decode_step("tiny", "nsa", batch=2, prompt=40, compress=False)
-    assert skipped.layer["index_put_"] == 6 * layers  # no compressed-token write
-    assert skipped.layer["rope"] == 3 * layers
-    assert sum(dense.layer.values()) < sum(skipped.layer.values()) < sum(nsa.layer.values())
+    assert skipped.layer["index_put_"] == 0  # no compressed-token write
+    assert skipped.layer["rope"] == layers and skipped.layer["append_kv"] == layers
+    assert sum(skipped.layer.values()) < sum(nsa.layer.values())
 
 
 def test_main_prints_the_table_and_the_ratio(capsys):
