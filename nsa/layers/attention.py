@@ -85,6 +85,17 @@ class AttentionConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
+def fused_linear(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
+    """x through several linear layers as one product, their weights concatenated at each call
+    (the parameters stay the layers' own): under autocast x is cast once, and the backward
+    runs one product for x's gradient instead of one per layer plus their sum. Each output is
+    a view of the product's columns (its bias added in the output's dtype)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    outputs = F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1)
+    return [out if layer.bias is None else out + layer.bias.to(out.dtype)
+            for out, layer in zip(outputs, layers, strict=True)]
+
+
 class NSAttention(nn.Module):
     """Native Sparse Attention layer: x [B, T, dim] -> [B, T, dim].
 
@@ -114,39 +125,35 @@ class NSAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
-    def _kv_projection(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, dim] -> [B, T, sets, H, Dk + Dv]: the K/V sets of the branches."""
+    def _projections(self, x: torch.Tensor):
+        """[B, T, dim] -> (queries [B, T, HQ, Dk] before RoPE, the branches' K/V sets
+        [B, T, sets, H, Dk + Dv], gates [B, T, HQ, 3]), from one product (:func:`fused_linear`).
+        The gates are sigmoids, or a one-hot when a branch is forced (``gate_proj`` unused)."""
         c = self.config
         B, T, _ = x.shape
-        return self.kv_proj(x).view(B, T, self.num_kv_sets, c.num_kv_heads,
-                                    c.head_dim_k + c.head_dim_v)
-
-    def _query(self, x: torch.Tensor, angles) -> torch.Tensor:
-        """[B, T, dim] -> rotated queries [B, T, HQ, Dk]."""
-        c = self.config
-        B, T, _ = x.shape
-        return rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
-
-    def gates(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, dim] -> [B, T, HQ, 3] sigmoid gates, or a one-hot when a branch is forced."""
-        c = self.config
-        B, T, _ = x.shape
-        if c.force_branch is not None:
-            one_hot = torch.zeros(3, dtype=x.dtype, device=x.device)
-            one_hot[BRANCHES.index(c.force_branch)] = 1
-            return one_hot.expand(B, T, c.num_heads, 3)
-        return torch.sigmoid(self.gate_proj(x)).view(B, T, c.num_heads, 3)
+        if c.force_branch is None:
+            q, kv, gate_logits = fused_linear(x, self.q_proj, self.kv_proj, self.gate_proj)
+            gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
+        else:
+            q, kv = fused_linear(x, self.q_proj, self.kv_proj)
+            gates = torch.zeros(3, dtype=q.dtype, device=x.device)
+            gates[BRANCHES.index(c.force_branch)] = 1
+            gates = gates.expand(B, T, c.num_heads, 3)
+        return (q.view(B, T, c.num_heads, c.head_dim_k),
+                kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
+                gates)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, dim] at ``positions`` ([T] or [B, T]) -> q [B, T, HQ, Dk]; the compressor's
-        un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D]."""
+        un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D];
+        the gates [B, T, HQ, 3]."""
         angles = rope_angles(positions, self.rope.inv_freq)
-        q = self._query(x, angles)
-        sets = split_kv_sets(self._kv_projection(x), self.config.head_dim_k)
-        (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = sets
+        q, kv, gates = self._projections(x)
+        (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = split_kv_sets(kv,
+                                                                       self.config.head_dim_k)
         k_slc = rotate(k_slc, *angles)
         k_win = k_slc if self.num_kv_sets == 1 else rotate(k_win, *angles)
-        return q, k_src, v_src, k_slc, v_slc, k_win, v_win
+        return rotate(q, *angles), k_src, v_src, k_slc, v_slc, k_win, v_win, gates
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, index: torch.Tensor,
                   first: torch.Tensor | None = None):
@@ -182,10 +189,9 @@ class NSAttention(nn.Module):
         else:
             positions, cmp_index = documents.positions, documents.cmp_index
             cmp_first, cu_seqlens = documents.cmp_first, documents.cu_seqlens
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win = self._project(x, positions)
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates = self._project(x, positions)
         k_cmp, v_cmp = self._compress(k_src, v_src, cmp_index, cmp_first)
-        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, self.gates(x), k_win, v_win,
-                           cu_seqlens)
+        out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens)
         out = self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
         return out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)
 
@@ -243,8 +249,9 @@ class NSAttention(nn.Module):
         c, p = self.config, self.config.nsa
         B = x.shape[0]
         angles = rope_angles(pos[:, None], self.rope.inv_freq)
-        q = self._query(x, angles)
-        append_kv(cache, self._kv_projection(x), *angles, pos)
+        q, kv, gates = self._projections(x)
+        q = rotate(q, *angles)
+        append_kv(cache, kv, *angles, pos)
         num_cmp = cache.k_cmp.shape[1]
         if num_cmp and compress:
             start, complete = completing_block(p, pos)  # [B], [B]
@@ -257,7 +264,7 @@ class NSAttention(nn.Module):
                                           index[:, None])
             write_at((cache.k_cmp, cache.v_cmp), index, (k_new[:, 0], v_new[:, 0]), complete)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
-                         self.gates(x)[:, 0], pos, p, k_win=cache.k_win,
+                         gates[:, 0], pos, p, k_win=cache.k_win,
                          v_win=cache.v_win, window_ring=cache.k_win is not None,
                          backend=c.backend)
         return self.o_proj(out.reshape(B, 1, c.num_heads * c.head_dim_v))
@@ -283,8 +290,9 @@ class DenseAttention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         angles = rope_angles(positions, self.rope.inv_freq)
-        q = rotate(self.q_proj(x).view(B, T, c.num_heads, c.head_dim_k), *angles)
-        kv = self.kv_proj(x).view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
+        q, kv = fused_linear(x, self.q_proj, self.kv_proj)
+        q = rotate(q.view(B, T, c.num_heads, c.head_dim_k), *angles)
+        kv = kv.view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
         return q, rotate(k, *angles), v
 

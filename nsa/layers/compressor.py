@@ -52,4 +52,6 @@ class Compressor(nn.Module):
             blocks = blocks_from(x, first, self.block)  # [B, Tc, H, l, D]
         if self.kind == "mean":
             return blocks.mean(dim=-2)
-        return self.mlp((blocks + self.position).flatten(-2))
+        # The embedding in the blocks' dtype: a float32 one would promote the blocks (bf16 under
+        # autocast) to float32, for the MLP to cast back.
+        return self.mlp((blocks + self.position.to(blocks.dtype)).flatten(-2))
