@@ -10,6 +10,7 @@ import torch
 
 from nsa.models import LanguageModel
 from nsa.train import build_config, train
+from nsa.train.data import BatchSampler
 from nsa.train.errors import SetupError
 from nsa.train.graphs import WARMUP_STEPS, CUDAGraphStep
 from nsa.train.trainer import build_optimizer, forward_backward, model_inputs, train_step
@@ -122,3 +123,30 @@ def test_trainer_with_cuda_graph_matches_the_eager_trainer(tmp_path, tiny_overri
         assert math.isclose(graph_history[step], history[step], abs_tol=5e-3), step
     assert math.isclose(graphed.val_loss, eager.val_loss, abs_tol=5e-3)
     assert graphed.sample.startswith("ROMEO:")
+
+
+@needs_cuda
+def test_graphed_run_resumed_after_a_crash_matches_the_unbroken_run(tmp_path, tiny_overrides,
+                                                                   monkeypatch):
+    """A resumed run warms up eagerly again and captures a new graph: its steps must be those
+    the unbroken run took."""
+    common = [*tiny_overrides, "device=cuda", "cuda_graph=true", "max_steps=8", "lr=1e-2",
+              "warmup_steps=2", "checkpoint_interval=4", "eval_interval=100"]
+    straight = train(build_config("tiny", [*common, f"run_dir={tmp_path / 'straight'}"]))
+    crashed = build_config("tiny", [*common, f"run_dir={tmp_path / 'crashed'}"])
+    real_batch = BatchSampler.batch
+
+    def crash_in_step_6(self, index):
+        if index == 5:  # step 6: steps 5 and 6 are lost, step 4 is checkpointed
+            raise KeyboardInterrupt
+        return real_batch(self, index)
+
+    monkeypatch.setattr(BatchSampler, "batch", crash_in_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(crashed)
+    monkeypatch.undo()
+    resumed = train(crashed, resume=True)
+    history, resumed_history = losses(straight.run_dir), losses(resumed.run_dir)
+    assert sorted(resumed_history) == list(range(1, 9))
+    for step in history:
+        assert math.isclose(resumed_history[step], history[step], abs_tol=5e-3), step
