@@ -85,13 +85,22 @@ class AttentionConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
+FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
+
+
 def fused_linear(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
     """x through several linear layers as one product, their weights concatenated at each call
     (the parameters stay the layers' own): under autocast x is cast once, and the backward
     runs one product for x's gradient instead of one per layer plus their sum. Each output is
-    a view of the product's columns (its bias added in the output's dtype)."""
-    weight = torch.cat([layer.weight for layer in layers])
-    outputs = F.linear(x, weight).split([layer.out_features for layer in layers], dim=-1)
+    a view of the product's columns (its bias added in the output's dtype); each layer's
+    columns are padded with zero rows to a multiple of ``FUSED_ALIGN``, so every view starts
+    and strides on 16 bytes (a stride off that slows every kernel that reads the view)."""
+    pads = [-layer.out_features % FUSED_ALIGN for layer in layers]
+    weight = torch.cat([F.pad(layer.weight, (0, 0, 0, pad)) if pad else layer.weight
+                        for layer, pad in zip(layers, pads, strict=True)])
+    widths = [width for layer, pad in zip(layers, pads, strict=True)
+              for width in (layer.out_features, pad)]
+    outputs = F.linear(x, weight).split(widths, dim=-1)[::2]  # [..., sum of padded widths]
     return [out if layer.bias is None else out + layer.bias.to(out.dtype)
             for out, layer in zip(outputs, layers, strict=True)]
 

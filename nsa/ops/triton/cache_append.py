@@ -21,7 +21,9 @@ def _rotate_copy(OUT, SRC, cos, sin, i, mask, HALF: tl.constexpr):
     float32, rounded to SRC's dtype (as the PyTorch form rounds its result), then to OUT's."""
     x1 = tl.load(SRC + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(SRC + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    src_ty, out_ty = SRC.dtype.element_ty, OUT.dtype.element_ty
+    # one name per line: the compiler (not the interpreter) refuses a tuple of dtypes
+    src_ty = SRC.dtype.element_ty
+    out_ty = OUT.dtype.element_ty
     tl.store(OUT + i, (x1 * cos - x2 * sin).to(src_ty).to(out_ty), mask=mask)
     tl.store(OUT + HALF + i, (x2 * cos + x1 * sin).to(src_ty).to(out_ty), mask=mask)
 
