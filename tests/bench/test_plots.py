@@ -11,6 +11,7 @@ sys.path.insert(0, str(BENCH))
 
 import plot_attention  # noqa: E402
 import plot_decode  # noqa: E402
+import plot_generation  # noqa: E402
 import plot_host  # noqa: E402
 import plot_train_step  # noqa: E402
 
@@ -20,9 +21,10 @@ RESULTS = BENCH / "results"
 @pytest.mark.parametrize("script, results, options", [
     (plot_attention, "attention-peers-h100-2026-11-25-v10.json", ["--heads", "64,4"]),
     (plot_decode, "decode-v2-h100-2026-11-25.json", []),
+    (plot_generation, "generation-cache-append-h100-2026-11-25.json", []),
     (plot_host, "host-v11-h100-2026-11-25.json", []),
     (plot_train_step, "train-step-cuda-graph-h100-2026-11-25.json", []),
-], ids=["attention", "decode", "host", "train-step"])
+], ids=["attention", "decode", "generation", "host", "train-step"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])
