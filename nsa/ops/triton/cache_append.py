@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.launch import pow2
+from nsa.ops.triton.launch import pow2, unit_stride
 
 
 @triton.jit
@@ -76,8 +76,7 @@ def append_kv_triton(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos
     B, _, sets, H, width = kv.shape
     Dk, Dv = k.shape[-1], v.shape[-1]
     ring = k_win is not None
-    if kv.stride(-1) != 1:
-        kv = kv.contiguous()
+    kv = unit_stride(kv)
     cos, sin = cos.contiguous(), sin.contiguous()
     _append_kernel[(B, H)](
         kv, cos, sin, pos, k, v, k_win if ring else k, v_win if ring else v, src_k, src_v,
