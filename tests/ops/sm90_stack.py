@@ -1,9 +1,13 @@
-"""Per-thread stack (spilled registers) of one nsa Triton kernel compiled for Hopper (sm_90),
+"""Per-thread stack (spilled registers) of nsa Triton kernels compiled for Hopper (sm_90),
 printed in bytes. Run in its own process, without TRITON_INTERPRET (under the interpreter
 ``triton.jit`` gives functions that cannot be compiled):
 
     python -m tests.ops.sm90_stack MODULE.KERNEL '{"types": {...}, "constants": {...},
                                                    "num_warps": 4, "num_stages": 1}'
+    python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
+
+With ``--launches`` every launch is compiled; one line per launch, then the exit status 1 if
+any failed to compile (each failure's error is printed).
 """
 
 import importlib
@@ -36,9 +40,23 @@ def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: in
     return int(usage.split("STACK:")[1].split()[0])
 
 
+def compile_launch(kernel: str, launch: dict) -> int:
+    """Stack bytes of nsa.ops.triton.``kernel`` ("module.name") compiled for ``launch``."""
+    module_name, kernel_name = kernel.rsplit(".", 1)
+    fn = getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"), kernel_name)
+    return stack_bytes(fn, launch["types"], launch["constants"], launch["num_warps"],
+                       launch["num_stages"])
+
+
 if __name__ == "__main__":
-    module_name, kernel_name = sys.argv[1].rsplit(".", 1)
-    launch = json.loads(sys.argv[2])
-    kernel = getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"), kernel_name)
-    print(stack_bytes(kernel, launch["types"], launch["constants"], launch["num_warps"],
-                      launch["num_stages"]))
+    if sys.argv[1] != "--launches":
+        print(compile_launch(sys.argv[1], json.loads(sys.argv[2])))
+        sys.exit(0)
+    failed = 0
+    for launch in json.loads(pathlib.Path(sys.argv[2]).read_text()):
+        try:
+            print(f"{launch['kernel']}: stack {compile_launch(launch['kernel'], launch)} B")
+        except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
+            failed += 1
+            print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")
+    sys.exit(1 if failed else 0)

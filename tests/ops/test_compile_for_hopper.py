@@ -1,0 +1,181 @@
+"""Every Triton kernel launch that the op (forward and backward), the selection op, the fused
+decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90).
+
+CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
+compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
+the interpreter tests had passed). Here the interpreter's launches are recorded (argument
+types, constexpr values, warps, stages) and each distinct one is compiled offline for sm_90 in
+a process without the interpreter, with the ptxas that Triton's wheel carries
+(tests/ops/sm90_stack.py). On a CUDA machine the other tests compile every launch for real.
+"""
+
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nsa
+from nsa.ops.params import NSAParams
+from nsa.ops.triton_support import TRITON_INTERPRET
+from tests.ops.helpers import make_inputs
+
+triton = pytest.importorskip("triton")
+
+REPO = pathlib.Path(__file__).parents[2]
+TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = [
+    pytest.mark.skipif(not TRITON_INTERPRET, reason="launches are recorded from the interpreter"),
+    pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="no CUDA tools in Triton"),
+]
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+         torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
+         torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages")
+# Kernels the recorded work must launch (the recording itself is checked by this).
+EXPECTED = {
+    "compressed_window._branch_fwd_kernel", "compressed_window._branch_bwd_dq_kernel",
+    "compressed_window._branch_bwd_dkdv_kernel", "selection._select_kernel",
+    "selected._selected_fwd_kernel", "selected._selected_bwd_dq_kernel",
+    "selected._selected_bwd_dkdv_kernel", "gating._gated_sum_kernel",
+    "gating._gate_backward_kernel", "decode._compressed_kernel", "decode._select_kernel",
+    "decode._selected_kernel", "cache_append._append_kernel", "rope._rope_kernel",
+}
+
+
+def is_constexpr(annotation) -> bool:
+    """A kernel parameter annotated tl.constexpr (a string under postponed annotations)."""
+    return annotation is triton.language.constexpr or annotation in ("tl.constexpr",
+                                                                     "triton.language.constexpr")
+
+
+def argument_type(value) -> str:
+    """The compiler's signature type of a runtime kernel argument."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, TensorDescriptor):
+        block = ", ".join(map(str, value.block_shape))
+        return f"tensordesc<{TYPES[value.base.dtype]}[{block}]>"
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no signature type for {type(value).__name__}")
+
+
+def launch_record(fn, args, kwargs) -> dict:
+    """{"kernel", "types", "constants", "num_warps", "num_stages"} of one interpreted launch."""
+    parameters = inspect.signature(fn).parameters
+    bound = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items() if k in parameters}
+    types, constants = {}, {}
+    for name, value in bound.items():
+        if is_constexpr(parameters[name].annotation) or value is None:
+            constants[name] = value
+        else:
+            types[name] = argument_type(value)
+    return dict(kernel=f"{fn.__module__.removeprefix('nsa.ops.triton.')}.{fn.__name__}",
+                types=types, constants=constants, num_warps=kwargs.get("num_warps", 4),
+                num_stages=kwargs.get("num_stages", 3))
+
+
+def recorded_launches(work) -> list[dict]:
+    """The distinct launches ``work()`` makes, recorded from the interpreter; a launch with
+    programmatic dependent launch off (the CPU's) is also recorded with it on (the GPU's)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        record = launch_record(self.fn, args, kwargs)
+        variants = [record]
+        if record["constants"].get("PDL") is False:
+            variants.append(dict(record, constants=dict(record["constants"], PDL=True)))
+        for variant in variants:
+            launches.setdefault(json.dumps(variant, sort_keys=True), variant)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    try:
+        work()
+    finally:
+        InterpretedFunction.run = run
+    return list(launches.values())
+
+
+def attention_forward_backward(dtype, T, window):
+    """nsa_attention and nsa_select on tiny shapes: G = 2, l' = 16 (whole blocks and, from
+    T = 300, full 64-key tiles through tensor descriptors)."""
+    p = dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3, window=window)
+    x = make_inputs(1, T, 4, 2, 16, 16, dtype=dtype, **p)
+    x = {name: t.requires_grad_() for name, t in x.items()}
+    out = nsa.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],
+                            k_win=x["k_win"], v_win=x["v_win"], backend="triton", **p)
+    out.float().square().sum().backward()
+    nsa.nsa_select(x["q"].detach(), x["k_cmp"].detach(), backend="triton",
+                   **{k: v for k, v in p.items() if k != "window"})
+
+
+def decode_step(dtype, ring):
+    from nsa.ops.decode import nsa_decode
+
+    params = NSAParams(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3, window=9)
+    g = torch.Generator().manual_seed(0)
+    B, S, H, G, D = 2, 70, 2, 2, 16
+    C = params.compressed_length(S)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    windows = dict(k_win=make(B, params.window, H, D), v_win=make(B, params.window, H, D))
+    nsa_decode(make(B, H * G, D), make(B, S, H, D), make(B, S, H, D), make(B, C, H, D),
+               make(B, C, H, D), torch.rand(B, H * G, 3, generator=g).to(dtype),
+               torch.tensor([3, S - 1]), params, window_ring=ring, backend="triton",
+               **(windows if ring else {}))
+
+
+def append_and_rope(dtype, sets):
+    from nsa.layers.rope import rope_angles, rope_frequencies
+    from nsa.ops.triton.cache_append import append_kv_triton
+    from nsa.ops.triton.rope import rope_triton
+
+    B, H, D, capacity = 2, 2, 16, 40
+    pos = torch.tensor([3, 17])
+    cos, sin = rope_angles(pos[:, None], rope_frequencies(D, 10000.0, "cpu"))
+    caches = [torch.zeros(B, n, H, D, dtype=dtype) for n in (capacity, capacity, 8, 8, 4, 4)]
+    if sets == 1:
+        caches[2:4] = [None, None]
+    append_kv_triton(torch.randn(B, 1, sets, H, 2 * D).to(dtype), cos, sin, pos, *caches)
+    x = torch.randn(B, 1, H, D, dtype=dtype, requires_grad=True)
+    rope_triton(x, cos, sin).float().sum().backward()
+
+
+def everything():
+    for dtype in (torch.float32, torch.bfloat16):
+        attention_forward_backward(dtype, 40, window=9)
+        decode_step(dtype, ring=True)
+        decode_step(dtype, ring=False)
+        append_and_rope(dtype, sets=3)
+        append_and_rope(dtype, sets=1)
+    attention_forward_backward(torch.float32, 300, window=130)
+
+
+def test_every_recorded_launch_compiles_for_hopper(tmp_path):
+    launches = recorded_launches(everything)
+    assert {launch["kernel"] for launch in launches} >= EXPECTED
+    assert any(t.startswith("tensordesc") for launch in launches
+               for t in launch["types"].values())  # the TMA paths are among them
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_stack", "--launches",
+                             str(path)], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=1200)
+    failures = [line for line in result.stdout.splitlines() if "FAILED" in line]
+    assert result.returncode == 0, (failures, result.stdout[-4000:], result.stderr[-2000:])
+    assert result.stdout.count(": stack ") == len(launches)
