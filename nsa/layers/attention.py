@@ -137,17 +137,17 @@ class NSAttention(nn.Module):
     def _projections(self, x: torch.Tensor):
         """[B, T, dim] -> (queries [B, T, HQ, Dk] before RoPE, the branches' K/V sets
         [B, T, sets, H, Dk + Dv], gates [B, T, HQ, 3]), from one product (:func:`fused_linear`).
-        The gates are sigmoids, or a one-hot when a branch is forced (``gate_proj`` unused)."""
+        The gates are sigmoids, or a one-hot when a branch is forced: then the sigmoids enter
+        times zero, so ``gate_proj`` still gets a (zero) gradient, as every parameter must on
+        every rank (DDP waits for each one)."""
         c = self.config
         B, T, _ = x.shape
-        if c.force_branch is None:
-            q, kv, gate_logits = fused_linear(x, self.q_proj, self.kv_proj, self.gate_proj)
-            gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
-        else:
-            q, kv = fused_linear(x, self.q_proj, self.kv_proj)
-            gates = torch.zeros(3, dtype=q.dtype, device=x.device)
-            gates[BRANCHES.index(c.force_branch)] = 1
-            gates = gates.expand(B, T, c.num_heads, 3)
+        q, kv, gate_logits = fused_linear(x, self.q_proj, self.kv_proj, self.gate_proj)
+        gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
+        if c.force_branch is not None:
+            one_hot = torch.zeros(3, dtype=gates.dtype, device=x.device)
+            one_hot[BRANCHES.index(c.force_branch)] = 1
+            gates = one_hot + gates * 0
         return (q.view(B, T, c.num_heads, c.head_dim_k),
                 kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
                 gates)

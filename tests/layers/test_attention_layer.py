@@ -5,6 +5,7 @@ import torch
 
 from nsa.config_tree import replace_fields
 from nsa.layers import AttentionConfig, Compressor, DenseAttention, NSAttention
+from nsa.layers.attention import BRANCHES
 
 SMALL = dict(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=6)
 
@@ -58,6 +59,18 @@ def test_every_layer_parameter_gets_a_gradient(kv_sharing, compressor):
     layer(torch.randn(2, 40, 32)).square().sum().backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_a_forced_branch_leaves_no_parameter_without_a_gradient(branch):
+    """The window-only ablation trains under DDP too: every parameter, the unused gates'
+    included, must get a gradient (zero where the branch is off), or the ranks wait forever."""
+    torch.manual_seed(0)
+    layer = NSAttention(make_config(force_branch=branch))
+    layer(torch.randn(2, 40, 32)).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, name
+    assert not layer.gate_proj.weight.grad.any()  # forced: the gates do not move
 
 
 def test_dense_layer_matches_explicit_causal_attention():
