@@ -12,6 +12,7 @@ any failed to compile (each failure's error is printed).
 
 import importlib
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -22,6 +23,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+HAS_TOOLS = (TOOLS / "cuobjdump").exists()  # this Triton build carries ptxas and cuobjdump
+REPO = pathlib.Path(__file__).parents[2]
+
+
+def run_offline(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """This module with ``args`` in its own process, from the repository root, without
+    TRITON_INTERPRET (a test process under the interpreter cannot compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "tests.ops.sm90_stack", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> int:

@@ -11,10 +11,6 @@ a process without the interpreter, with the ptxas that Triton's wheel carries
 
 import inspect
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,11 +22,11 @@ from tests.ops.helpers import make_inputs
 
 triton = pytest.importorskip("triton")
 
-REPO = pathlib.Path(__file__).parents[2]
-TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
+
 pytestmark = [
     pytest.mark.skipif(not TRITON_INTERPRET, reason="launches are recorded from the interpreter"),
-    pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="no CUDA tools in Triton"),
+    pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build has no CUDA tools"),
 ]
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
          torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
@@ -172,10 +168,7 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
                for t in launch["types"].values())  # the TMA paths are among them
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_stack", "--launches",
-                             str(path)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=1200)
+    result = run_offline("--launches", str(path), timeout=1200)
     failures = [line for line in result.stdout.splitlines() if "FAILED" in line]
     assert result.returncode == 0, (failures, result.stdout[-4000:], result.stderr[-2000:])
     assert result.stdout.count(": stack ") == len(launches)

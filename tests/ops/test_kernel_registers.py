@@ -5,32 +5,23 @@ with overlap matrices) cost it 1.5x at 64k (bench/NOTES.md v8); its launch now k
 and a change that brings the large spill back must show."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
 from nsa.ops.triton.launch import TUNING  # noqa: E402
+from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
 
-REPO = pathlib.Path(__file__).parents[2]
-TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-needs_cuda_tools = pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(),
-                                      reason="this Triton build has no CUDA tools")
+needs_cuda_tools = pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build has no CUDA tools")
 
 
 def sm90_stack(kernel: str, types: dict, constants: dict, num_warps: int,
                num_stages: int) -> int:
     """Stack bytes per thread of nsa.ops.triton.``kernel`` for sm_90 (tests/ops/sm90_stack.py,
     in a process without the interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     launch = dict(types=types, constants=constants, num_warps=num_warps, num_stages=num_stages)
-    result = subprocess.run([sys.executable, "-m", "tests.ops.sm90_stack", kernel,
-                             json.dumps(launch)], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = run_offline(kernel, json.dumps(launch), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return int(result.stdout.split()[-1])
 
