@@ -4,7 +4,9 @@
 
 Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the median time of its
 launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
-parameters (override with --heads/--dim).
+parameters (override with --batch/--heads/--dim). The selected forward and dq are timed both
+per position (selected_*) and as masked causal attention (masked_*: where T allows it, see
+nsa/ops/triton/selected_masked.py), on the same selected blocks.
 """
 
 from __future__ import annotations
@@ -19,75 +21,87 @@ import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.launch import TUNING
-from nsa.ops.triton.selected import selected_backward, selected_forward
+from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
+from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 
-def stages(T, HQ, H, D):
+def stages(B, T, HQ, H, D):
     make = lambda *s: torch.randn(*s, dtype=torch.bfloat16, device="cuda")  # noqa: E731
     Tc = nsa.compressed_length(T, PAPER.cmp_block, PAPER.cmp_stride)
-    q, k, v = make(1, T, HQ, D), make(1, T, H, D), make(1, T, H, D)
-    kc, vc = make(1, Tc, H, D), make(1, Tc, H, D)
+    q, k, v = make(B, T, HQ, D), make(B, T, H, D), make(B, T, H, D)
+    kc, vc = make(B, Tc, H, D), make(B, Tc, H, D)
     scale = D**-0.5
     layout = build_tables(T, Tc, None, PAPER, q.device)
     o_cmp, lse_cmp = branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
     idx = select(q, kc, lse_cmp, layout, PAPER, scale)
-    o_slc, lse_slc = selected_forward(q, k, v, idx, layout, PAPER, scale)
+    o_slc, lse_slc = position_forward(q, k, v, idx, layout, PAPER, scale)
     o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
-    do = make(1, T, HQ, D)  # the branch gradients the backward kernels read are bf16
-    dq = torch.zeros(1, T, HQ, D, device="cuda")
+    do = make(B, T, HQ, D)  # the branch gradients the backward kernels read are bf16
+    dq = torch.zeros(B, T, HQ, D, device="cuda")
     delta = lambda o: (do * o).sum(-1).contiguous()  # noqa: E731
     d_cmp, d_slc, d_win = delta(o_cmp), delta(o_slc), delta(o_win)
 
     def backward(kv, lse, d, mode):
         return lambda: branch_backward(q, *kv, do, lse, d, dq, layout, mode, PAPER, scale)
 
+    masked = masked_causal_selection(T, PAPER, packed=False)
     return {
         "dense_fwd": [
             ("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)),
             ("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
-            ("slc", lambda: selected_forward(q, k, v, idx, layout, PAPER, scale))],
+            ("slc", lambda: position_forward(q, k, v, idx, layout, PAPER, scale))],
+        "masked_fwd": [
+            ("slc", lambda: masked_forward(q, k, v, idx, PAPER, scale))] if masked else [],
         "dense_dq": [("cmp+dkdv", backward((kc, vc), lse_cmp, d_cmp, MODE_CMP)),
                      ("win+dkdv", backward((k, v), lse_win, d_win, MODE_WIN))],
         "dense_dkdv": [],  # timed inside dense_dq's entries
-        "selected_dq": [("slc bwd", lambda: selected_backward(
+        "selected_dq": [("slc dq", lambda: position_dq(
             q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))],
-        "selected_dkdv": [],  # timed inside selected_dq's entry
+        "selected_dkdv": [("slc dkdv", lambda: selected_dkdv(
+            q, k, v, idx, do, lse_slc, d_slc, layout, PAPER, scale))],
+        "masked_dq": [("slc dq", lambda: masked_dq(
+            q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))] if masked else [],
     }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--heads", default="64,4")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rows", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--num-stages", default="1,2,3")
-    parser.add_argument("--families", default="dense_fwd,select,selected_fwd,dense_dq,selected_dq")
+    parser.add_argument("--families", default="dense_fwd,select,selected_fwd,masked_fwd,"
+                        "dense_dq,selected_dq,selected_dkdv,masked_dq")
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
-    work = stages(args.seq, HQ, H, args.dim)
+    work = stages(args.batch, args.seq, HQ, H, args.dim)
     default = {name: dict(t) for name, t in TUNING.items()}
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
                                   map(int, args.num_stages.split(","))))
     # Backward entries run two families (dq then dk/dv): tune them together.
     families = {"dense_fwd": ["dense_fwd"], "select": ["select"],
-                "selected_fwd": ["selected_fwd"], "dense_dq": ["dense_dq", "dense_dkdv"],
-                "selected_dq": ["selected_dq", "selected_dkdv"]}
-    print(f"# T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; default {default}")
+                "selected_fwd": ["selected_fwd"], "masked_fwd": ["masked_fwd"],
+                "dense_dq": ["dense_dq", "dense_dkdv"], "selected_dq": ["selected_dq"],
+                "selected_dkdv": ["selected_dkdv"], "masked_dq": ["masked_dq"]}
+    print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
+          f"default {default}")
     for family in args.families.split(","):
         members = families[family]
         for label, fn in work[family]:
             timings = []
             for rows, warps, n_stages in grid:
                 for m in members:
-                    TUNING[m] = dict(rows=rows, num_warps=warps, num_stages=n_stages)
+                    TUNING[m] = dict(default[m], rows=rows, num_warps=warps,
+                                     num_stages=n_stages)
                 try:
                     ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)

@@ -42,3 +42,24 @@ def test_selection_kernel_spills_little_at_the_paper_shape():
                  scale_log2="fp32")
     assert sm90_stack("selection._select_kernel", types, constants, tuning["num_warps"],
                       tuning["num_stages"]) <= 512
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("kind", ["fwd", "dq"])
+def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
+    """The selected forward and dq as masked causal attention (selected_masked.py) at the
+    m7c-125m shape (G = 6, D = 64, l' = 64, n = 16, bf16, TMA) with the tuned launch: on 4
+    warps and 128 rows they spilled 520 B (forward) and 800 B (dq)."""
+    tuning = TUNING[f"masked_{kind}"]
+    constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=tuning["rows"],
+                     BLOCK_N=64, NUM_SELECTED=16, BLOCK_NSEL=16, SEL_BLOCK=64, IEEE=False,
+                     TMA=True)
+    if kind == "dq":
+        constants["ACCUMULATE"] = True
+    desc = "tensordesc<bf16[1, 64, 1, 64]>"
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, IDX="*i32", O="*fp32",
+                 LSE="*fp32", DO="*bf16", DELTA="*fp32", DQ_IN="*fp32", DQ_OUT="*bf16",
+                 scale_log2="fp32", scale="fp32")
+    kernel = "_masked_fwd_kernel" if kind == "fwd" else "_masked_dq_kernel"
+    assert sm90_stack(f"selected_masked.{kernel}", types, constants, tuning["num_warps"],
+                      tuning["num_stages"]) <= 64

@@ -1,4 +1,6 @@
-"""Attention over the selected blocks: Triton kernels, then their launch wrappers.
+"""Attention over the selected blocks: Triton kernels, then their launch wrappers. At short T
+(fixed-length batches of few blocks: ``masked_causal_selection``) the forward and dq run as
+causal attention masked to each position's blocks instead (selected_masked.py).
 
 * ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: one program per (position, KV head),
   the G query heads as rows, iterating only that position's own blocks (its first
@@ -47,6 +49,7 @@ from nsa.ops.triton.launch import (
     shapes,
     strides,
 )
+from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
 from nsa.ops.triton.tables import KernelTables, i32
 
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
@@ -362,6 +365,15 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
 
 
 def selected_forward(q, k, v, idx, tables, params, scale):
+    """Attention over each position's selected blocks -> (o, lse2): masked causal attention
+    where ``masked_causal_selection`` says so (selected_masked.py), else per position."""
+    if masked_causal_selection(q.shape[1], params, tables.packed):
+        return masked_forward(q, k, v, idx, params, scale)
+    return position_forward(q, k, v, idx, tables, params, scale)
+
+
+def position_forward(q, k, v, idx, tables, params, scale):
+    """The selected forward with one program per (position, KV head) -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
@@ -418,16 +430,32 @@ def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *
                       accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
     ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
+    dq_kernel = (masked_dq if masked_causal_selection(q.shape[1], params, tables.packed)
+                 else position_dq)
+    dq_kernel(q, k, v, idx, do, lse, delta, dq, tables, params, scale, accumulate=accumulate,
+              dq_out=dq_out)
+    return selected_dkdv(q, k, v, idx, do, lse, delta, tables, params, scale)
+
+
+def position_dq(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *, accumulate=True,
+                dq_out=None):
+    """The selected dq with one program per (position, KV head)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    meta = _selected_meta(q, k, v, params)
-    strides_qkv = (*strides(q), *strides(k), *strides(v))
     kd, vd, tma = _block_descriptors(k, v, params)
     _selected_bwd_dq_kernel[(T, B * H)](
         q, k, v, kd, vd, idx, do, lse, delta, dq, dq if dq_out is None else dq_out,
-        tables.tok_pos, *strides_qkv, *strides(idx), *strides(do), *lse.stride()[:2],
-        H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
+        tables.tok_pos, *strides(q), *strides(k), *strides(v), *strides(idx), *strides(do),
+        *lse.stride()[:2], H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
         **_selected_launch("dq", q, k, v, params),
     )
+
+
+def selected_dkdv(q, k, v, idx, do, lse, delta, tables, params, scale):
+    """dK, dV of the selected branch (per block, from the positions that selected it), in
+    the dtypes of k and v."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    meta = _selected_meta(q, k, v, params)
+    strides_qkv = (*strides(q), *strides(k), *strides(v))
     num_global, block_start, block_end, offsets, entry_pos = _inverse_index(idx, tables, params)
     # Every list of positions is cut into segments of at most SELECTED_SEGMENT entries.
     num_lists = offsets.numel() - 1

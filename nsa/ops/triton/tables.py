@@ -19,6 +19,7 @@ class KernelTables:
     """Int32 tables the kernels read, from a :class:`SequenceLayout`."""
 
     layout: SequenceLayout
+    packed: bool  # built from cu_seqlens (else one sequence of T tokens per batch row)
     tok_pos: torch.Tensor  # [T] position within its sequence
     tok_cmp_start: torch.Tensor  # [T] packed index of its sequence's first compressed token
     tok_t_hi: torch.Tensor  # [T] last query (exclusive) whose window sees this token
@@ -52,6 +53,7 @@ def _build_tables(T: int, Tc: int, cu_seqlens, params: NSAParams, device) -> Ker
     cmp_seq_start = layout.starts[layout.cmp_seq]
     return KernelTables(
         layout=layout,
+        packed=cu_seqlens is not None,
         tok_pos=i32(layout.pos),
         tok_cmp_start=i32(layout.cmp_starts[layout.seq]),
         tok_t_hi=i32(torch.minimum(t + params.window, layout.ends[layout.seq])),

@@ -1,0 +1,203 @@
+"""The selected branch's forward and dq as masked causal attention (nsa/ops/triton/
+selected_masked.py) against a float64 oracle on the same selected blocks: every position
+attends to the tokens <= itself of the blocks it selected. Random selections (ascending, -1
+padded, the position's own block and block 0 always in) give tiles every row selected, tiles
+some rows selected and tiles none did."""
+
+import pytest
+import torch
+
+from nsa.ops.params import LOG2E, NSAParams
+
+pytest.importorskip("triton")
+
+from nsa.ops.triton import selected  # noqa: E402
+from nsa.ops.triton.selected_masked import (  # noqa: E402
+    masked_causal_selection,
+    masked_dq,
+    masked_forward,
+)
+from nsa.ops.triton.tables import build_tables  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+# (B, T, HQ, H, Dk, Dv, l', n)
+CASES = [
+    (2, 37, 6, 2, 16, 8, 16, 2),  # G = 3, Dk != Dv, T not a multiple of the block
+    (1, 70, 16, 1, 16, 16, 16, 3),  # G = 16: 8 positions per tile
+    (1, 100, 4, 4, 32, 16, 16, 4),  # G = 1: one tile of 128 positions
+    (1, 200, 8, 2, 16, 16, 16, 7),  # G = 4: many full tiles, plain, masked and skipped
+    (1, 300, 8, 2, 16, 16, 128, 2),  # l' = 128: two key tiles per block
+    (1, 5, 8, 2, 16, 16, 16, 1),  # T below one block
+    (1, 1, 4, 4, 16, 16, 16, 1),  # T = 1
+]
+
+
+def case_id(c):
+    B, T, HQ, H, Dk, Dv, ls, n = c
+    return f"B{B}-T{T}-HQ{HQ}-H{H}-Dk{Dk}-Dv{Dv}-ls{ls}-n{n}"
+
+
+def random_selection(B, T, H, sel_block, n, gen):
+    """[B, T, H, n] int32: block 0, the position's own block and random others among the
+    candidates, ascending, -1 padded. Every third block (shifted per b, h) is never an
+    "other", so tiles whose rows all passed it by are skipped."""
+    idx = torch.full((B, T, H, n), -1, dtype=torch.int32)
+    for t in range(T):
+        own = t // sel_block
+        count = min(n, own + 1)
+        for b in range(B):
+            for h in range(H):
+                others = torch.randperm(own + 1, generator=gen)
+                others = others[(others != own) & (others != 0) & ((others + b + h) % 3 != 0)]
+                others = others[:max(0, count - 2)]
+                blocks = sorted({0, own, *others.tolist()})
+                idx[b, t, h, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return idx
+
+
+def make_case(case, dtype, seed=0):
+    B, T, HQ, H, Dk, Dv, ls, n = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, HQ, Dk, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, T, H, Dk, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64)
+    do = torch.randn(B, T, HQ, Dv, generator=gen, dtype=torch.float64)
+    idx = random_selection(B, T, H, ls, n, gen)
+    params = NSAParams(cmp_block=ls, cmp_stride=ls // 2, sel_block=ls, num_selected=n,
+                       num_init=1, num_local=1 if n > 1 else 0)
+    moved = [x.to(DEVICE, dtype) for x in (q, k, v, do)]
+    return moved, idx.to(DEVICE), params, (q, k, v, do)
+
+
+def allowed_pairs(idx, HQ, sel_block):
+    """[B, T, HQ, T]: whether query t (of each head) sees key s: s <= t, in a block t chose."""
+    B, T, H, _ = idx.shape
+    blocks = (T + sel_block - 1) // sel_block
+    chosen = torch.zeros(B, T, H, blocks + 1, dtype=torch.bool)
+    chosen.scatter_(-1, torch.where(idx >= 0, idx, blocks).long().cpu(), True)
+    t = torch.arange(T)
+    allowed = chosen[..., t // sel_block] & (t[None, :] <= t[:, None])[None, :, None, :]
+    return allowed.repeat_interleave(HQ // H, dim=2)
+
+
+def oracle(q, k, v, idx, sel_block, scale):
+    """Float64 selected attention -> (output, log-sum-exp in base 2)."""
+    G = q.shape[2] // k.shape[2]
+    scores = torch.einsum("bthd,bshd->bths", q, k.repeat_interleave(G, dim=2)) * scale
+    scores = scores.masked_fill(~allowed_pairs(idx, q.shape[2], sel_block), float("-inf"))
+    out = torch.einsum("bths,bshd->bthd", scores.softmax(-1), v.repeat_interleave(G, dim=2))
+    return out, torch.logsumexp(scores, -1) * LOG2E
+
+
+def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
+    o, lse = masked_forward(q, k, v, idx, params, scale)
+    delta = (do.float() * o).sum(-1)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    masked_dq(q, k, v, idx, do, lse, delta, dq, None, params, scale, accumulate=False)
+    return o, lse, dq
+
+
+def rel(a, b):
+    """Relative error; a gradient that is exactly 0 (dq at T = 1) is judged on a 0.1 scale."""
+    return ((a.double().cpu() - b).norm() / b.norm().clamp_min(0.1)).item()
+
+
+# The interpreter's bf16 products are wrong (the window kernel's too): bf16 on the GPU only.
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_masked_selected_matches_float64_oracle(case, dtype):
+    (q, k, v, do), idx, params, (q64, k64, v64, do64) = make_case(case, dtype)
+    assert masked_causal_selection(q.shape[1], params, packed=False)
+    scale = q.shape[-1] ** -0.5  # <= 1 / log2(e): the kernels' lse is the plain base-2 one
+    o, lse, dq = kernel_forward_and_dq(q, k, v, do, idx, params, scale)
+    q64.requires_grad_()
+    ref, ref_lse = oracle(q64, k64, v64, idx, params.sel_block, scale)
+    (ref_dq,) = torch.autograd.grad(ref, q64, do64)
+    assert rel(o, ref) <= TOLERANCE[dtype]
+    assert rel(lse, ref_lse.detach()) <= TOLERANCE[dtype]
+    assert rel(dq, ref_dq) <= TOLERANCE[dtype]
+
+
+def tile_kinds(idx, G, rows, sel_block):
+    """(plain, masked, skipped) counts of the full key tiles (before a tile's first position)
+    the kernels see with ``rows`` rows per tile, from the selection alone."""
+    B, T, H, _ = idx.shape
+    P = rows // G
+    tile = min(64, sel_block)
+    kinds = [0, 0, 0]
+    for b in range(B):
+        for h in range(H):
+            for t_first in range(0, T, P):
+                sets = [set(idx[b, t, h].tolist()) for t in range(t_first, min(t_first + P, T))]
+                for start in range(0, (t_first + 1) // tile * tile, tile):
+                    chosen = [start // sel_block in s for s in sets]
+                    kinds[0 if all(chosen) else 1 if any(chosen) else 2] += 1
+    return kinds
+
+
+def test_cases_cover_plain_masked_and_skipped_tiles():
+    from nsa.ops.triton.launch import launch_shape
+
+    B, T, HQ, H, Dk, Dv, ls, n = CASES[3]
+    _, idx, _, _ = make_case(CASES[3], torch.float32)
+    rows, _ = launch_shape("masked_fwd", HQ // H, max(Dk, Dv), 4)
+    assert min(tile_kinds(idx.cpu(), HQ // H, rows, ls)) > 0
+
+
+@pytest.mark.parametrize("poison", ["k", "v"])
+def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
+    """A NaN key or value at token s: the output and dq of exactly the (position, head) rows
+    that see s (s <= t, s's block selected) are NaN; every other row stays finite."""
+    case = CASES[3]
+    (q, k, v, do), idx, params, _ = make_case(case, torch.float32, seed=3)
+    s = 37  # block 2 of 16 tokens: selected by some positions after it, not by others
+    x = {"k": k, "v": v}
+    x[poison][0, s, 0, 0] = float("nan")  # KV head 0 (block 2 can be an "other" there)
+    o, lse, dq = kernel_forward_and_dq(q, x["k"], x["v"], do, idx, params, q.shape[-1] ** -0.5)
+    sees = allowed_pairs(idx.cpu(), q.shape[2], params.sel_block)[..., s].clone()
+    sees[:, :, q.shape[2] // 2:] = False  # query heads of KV head 1 never meet head 0's keys
+    assert sees.any() and (~sees).any()
+    assert o.isnan().any(-1).cpu().equal(sees)
+    assert dq.isnan().any(-1).cpu().equal(sees)
+
+
+def test_masked_path_is_for_short_fixed_length_batches_only():
+    paper = NSAParams()
+    assert masked_causal_selection(2048, paper, packed=False)  # 32 blocks = 2n
+    assert not masked_causal_selection(2048, paper, packed=True)
+    assert not masked_causal_selection(2049, paper, packed=False)  # 33 blocks > 2n
+    assert masked_causal_selection(4096, NSAParams(num_selected=40), packed=False)  # 64
+    assert not masked_causal_selection(4097, NSAParams(num_selected=40), packed=False)  # 65
+    assert not masked_causal_selection(100, NSAParams(sel_block=48, cmp_stride=16,
+                                                      num_selected=4), packed=False)
+    assert not masked_causal_selection(100, NSAParams(sel_block=8, cmp_block=8, cmp_stride=8,
+                                                      num_selected=16), packed=False)
+
+
+def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
+    """selected_forward and the dq of the backward dispatch on masked_causal_selection: the
+    same inputs through packed tables (one sequence: the same semantics, per-position
+    kernels) give the same outputs and dq."""
+    (q, k, v, do), idx, params, _ = make_case(CASES[1], torch.float32)
+    T = q.shape[1]
+    scale = q.shape[-1] ** -0.5
+    calls = []
+    monkeypatch.setattr(selected, "masked_forward",
+                        lambda *a: calls.append("fwd") or masked_forward(*a))
+    results = []
+    for cu in (None, torch.tensor([0, T], dtype=torch.int32, device=DEVICE)):
+        tables = build_tables(T, params.compressed_length(T), cu, params, q.device)
+        o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale)
+        delta = (do * o).sum(-1)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        selected.selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale,
+                                   accumulate=False)
+        results.append((o, lse, dq))
+    assert calls == ["fwd"]
+    for masked, per_position in zip(*results):
+        torch.testing.assert_close(masked, per_position, rtol=1e-5, atol=1e-5)
