@@ -100,8 +100,8 @@ def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
 
 
 def rel(a, b):
-    """Relative error; a gradient that is exactly 0 (dq at T = 1) is judged on a 0.1 scale."""
-    return ((a.double().cpu() - b).norm() / b.norm().clamp_min(0.1)).item()
+    """Relative error; a gradient that is exactly 0 (dq at T = 1) is judged on a unit scale."""
+    return ((a.double().cpu() - b).norm() / b.norm().clamp_min(1.0)).item()
 
 
 # The interpreter's bf16 products are wrong (the window kernel's too): bf16 on the GPU only.

@@ -161,7 +161,10 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
     tile dS is 0 where not ``valid``, whatever v, do and delta hold there. Without MASKED
     every pair counts (a full tile; padding rows have lse = +inf, so p = 0 there)."""
-    p = exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2)
+    # p <= 1 in exact arithmetic; a product recomputed an ulp above the forward's, times a
+    # huge scale, would make it inf (NaN stays NaN).
+    p = tl.minimum(exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 1.0,
+                   propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         p = tl.where(valid, p, 0.0)
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])

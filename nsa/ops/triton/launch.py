@@ -24,8 +24,8 @@ TUNING = {
     "selected_dq": dict(num_warps=2, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
     # The selected forward and dq at short T as masked causal attention (selected_masked.py).
-    "masked_fwd": dict(rows=128, num_warps=8, num_stages=2),
-    "masked_dq": dict(rows=128, num_warps=8, num_stages=2),
+    "masked_fwd": dict(rows=128, num_warps=4, num_stages=1),
+    "masked_dq": dict(rows=128, num_warps=4, num_stages=1),
 }
 
 
