@@ -9,6 +9,10 @@ not by the GPU.
     python bench/train_step.py                                   # CPU, the old "hang" shape
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --device cuda
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --cuda-graph
+    python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
+
+``--profile N`` then runs one more (eager) step under torch.profiler and prints its N kernels
+and ops of largest self GPU time: where a step's time goes.
 """
 
 from __future__ import annotations
@@ -47,9 +51,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def print_profile(run_step, rows: int) -> None:
+    """One call of ``run_step`` under torch.profiler: its ``rows`` entries of largest self GPU
+    time (a Triton kernel by its name, an aten op by its), and the step's total."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        run_step()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"\nself GPU time of one eager step: {total:.1f} ms")
+    print("| kernel or op | calls | ms | share |")
+    print("|---|---|---|---|")
+    for e in events[:rows]:
+        ms = e.self_device_time_total / 1e3
+        print(f"| {e.key[:70]} | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+
+
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
                autocast_dtype: torch.dtype | None, compile_blocks: bool = False,
-               cuda_graph: bool = False) -> dict:
+               cuda_graph: bool = False, profile_rows: int = 0) -> dict:
     torch.manual_seed(0)
     model = LanguageModel(config).to(device)
     if compile_blocks:  # as the trainer's compile=true: torch.compile per block
@@ -91,6 +112,14 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
             host_times.append(issued - start)
     step = statistics.median(times)
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved[0])
+    if profile_rows:
+        def eager_step():
+            forward_backward([{"tokens": inputs, "targets": targets}])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            synchronize(device)
+
+        print_profile(eager_step, profile_rows)
     return {"step_ms": step * 1e3, "host_ms": statistics.median(host_times) * 1e3,
             "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
             "params_m": model.num_parameters() / 1e6}
@@ -114,6 +143,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cuda-graph", action="store_true",
                         help="replay each step's forward and backward from one CUDA graph, as "
                              "the trainer's cuda_graph=true (CUDA only)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N kernels of largest GPU time of one more step")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -136,7 +167,7 @@ def main(argv=None) -> None:
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
             r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype,
-                           args.compile, args.cuda_graph)
+                           args.compile, args.cuda_graph, args.profile)
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
                   f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |",
                   flush=True)
