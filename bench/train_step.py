@@ -11,8 +11,8 @@ not by the GPU.
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --cuda-graph
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
 
-``--profile N`` then runs one more (eager) step under torch.profiler and prints its N kernels
-and ops of largest self GPU time: where a step's time goes.
+``--profile N`` then runs one more (eager) step under torch.profiler and prints its N GPU
+kernels of largest time: where a step's time goes.
 """
 
 from __future__ import annotations
@@ -52,16 +52,18 @@ def synchronize(device: torch.device) -> None:
 
 
 def print_profile(run_step, rows: int) -> None:
-    """One call of ``run_step`` under torch.profiler: its ``rows`` entries of largest self GPU
-    time (a Triton kernel by its name, an aten op by its), and the step's total."""
+    """One call of ``run_step`` under torch.profiler: its ``rows`` GPU kernels of largest time
+    (by kernel name: a Triton kernel's is its function's), and the step's total."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run_step()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    # Kernels only: an op's self GPU time repeats its kernels'.
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0
+              and e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 1e3
     print(f"\nself GPU time of one eager step: {total:.1f} ms")
-    print("| kernel or op | calls | ms | share |")
+    print("| kernel | calls | ms | share |")
     print("|---|---|---|---|")
     for e in events[:rows]:
         ms = e.self_device_time_total / 1e3
@@ -144,7 +146,7 @@ def main(argv=None) -> None:
                         help="replay each step's forward and backward from one CUDA graph, as "
                              "the trainer's cuda_graph=true (CUDA only)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="print the N kernels of largest GPU time of one more step")
+                        help="print the N GPU kernels of largest time of one more step")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
