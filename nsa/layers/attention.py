@@ -145,9 +145,9 @@ class NSAttention(nn.Module):
         q, kv, gate_logits = fused_linear(x, self.q_proj, self.kv_proj, self.gate_proj)
         gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
         if c.force_branch is not None:
-            one_hot = torch.zeros(3, dtype=gates.dtype, device=x.device)
-            one_hot[BRANCHES.index(c.force_branch)] = 1
-            gates = one_hot + gates * 0
+            # Built on the device (no host-to-device copy: CUDA graph capture refuses one).
+            branch = torch.arange(3, device=x.device) == BRANCHES.index(c.force_branch)
+            gates = branch.to(gates.dtype) + gates * 0
         return (q.view(B, T, c.num_heads, c.head_dim_k),
                 kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
                 gates)

@@ -78,7 +78,8 @@ def run_steps(kind: str, graphed: bool, batches: list, overrides=(), device="cud
 @pytest.mark.parametrize("kind,accum,overrides", [
     ("nsa", 1, ()), ("dense", 1, ()), ("nsa", 2, ()),
     ("nsa", 1, ("activation_checkpointing=true",)), ("nsa", 1, ("compile=true",)),
-], ids=["nsa", "dense", "nsa-accum2", "nsa-checkpointing", "nsa-compile"])
+    ("nsa", 1, ("force_branch=win",)),
+], ids=["nsa", "dense", "nsa-accum2", "nsa-checkpointing", "nsa-compile", "nsa-window-only"])
 def test_graphed_steps_train_as_the_eager_steps(kind, accum, overrides):
     steps = WARMUP_STEPS + 5  # eager warm-up, the capture (replayed at once), four replays
     batches = text_batches(steps, accum, batch=2, seq=96)
