@@ -189,6 +189,8 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
     calls = []
     monkeypatch.setattr(selected, "masked_forward",
                         lambda *a: calls.append("fwd") or masked_forward(*a))
+    monkeypatch.setattr(selected, "masked_dq",
+                        lambda *a, **kw: calls.append("dq") or masked_dq(*a, **kw))
     results = []
     for cu in (None, torch.tensor([0, T], dtype=torch.int32, device=DEVICE)):
         tables = build_tables(T, params.compressed_length(T), cu, params, q.device)
@@ -198,6 +200,6 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
         selected.selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale,
                                    accumulate=False)
         results.append((o, lse, dq))
-    assert calls == ["fwd"]
+    assert calls == ["fwd", "dq"]  # the packed tables took the per-position kernels
     for masked, per_position in zip(*results):
         torch.testing.assert_close(masked, per_position, rtol=1e-5, atol=1e-5)
