@@ -20,7 +20,7 @@ from triton.testing import do_bench
 import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
-from nsa.ops.triton.launch import TUNING
+from nsa.ops.triton.launch import TUNING, BranchGrad
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
 from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
 from nsa.ops.triton.selection import select
@@ -40,13 +40,14 @@ def stages(B, T, HQ, H, D):
     idx = select(q, kc, lse_cmp, layout, PAPER, scale)
     o_slc, lse_slc = position_forward(q, k, v, idx, layout, PAPER, scale)
     o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
-    do = make(B, T, HQ, D)  # the branch gradients the backward kernels read are bf16
+    do = make(B, T, HQ, D)  # the op's output gradient, as the backward kernels read it
     dq = torch.zeros(B, T, HQ, D, device="cuda")
+    g_cmp = g_slc = g_win = BranchGrad.ungated(do)
     delta = lambda o: (do * o).sum(-1).contiguous()  # noqa: E731
     d_cmp, d_slc, d_win = delta(o_cmp), delta(o_slc), delta(o_win)
 
-    def backward(kv, lse, d, mode):
-        return lambda: branch_backward(q, *kv, do, lse, d, dq, layout, mode, PAPER, scale)
+    def backward(kv, grad, lse, d, mode):
+        return lambda: branch_backward(q, *kv, grad, lse, d, dq, layout, mode, PAPER, scale)
 
     masked = masked_causal_selection(T, PAPER, packed=False)
     return {
@@ -58,15 +59,15 @@ def stages(B, T, HQ, H, D):
             ("slc", lambda: position_forward(q, k, v, idx, layout, PAPER, scale))],
         "masked_fwd": [
             ("slc", lambda: masked_forward(q, k, v, idx, PAPER, scale))] if masked else [],
-        "dense_dq": [("cmp+dkdv", backward((kc, vc), lse_cmp, d_cmp, MODE_CMP)),
-                     ("win+dkdv", backward((k, v), lse_win, d_win, MODE_WIN))],
+        "dense_dq": [("cmp+dkdv", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP)),
+                     ("win+dkdv", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
         "dense_dkdv": [],  # timed inside dense_dq's entries
         "selected_dq": [("slc dq", lambda: position_dq(
-            q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))],
+            q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))],
         "selected_dkdv": [("slc dkdv", lambda: selected_dkdv(
-            q, k, v, idx, do, lse_slc, d_slc, layout, PAPER, scale))],
+            q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale))],
         "masked_dq": [("slc dq", lambda: masked_dq(
-            q, k, v, idx, do, lse_slc, d_slc, dq, layout, PAPER, scale))] if masked else [],
+            q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))] if masked else [],
     }
 
 

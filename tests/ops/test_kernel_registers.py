@@ -60,8 +60,8 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
         constants["ACCUMULATE"] = True
     desc = "tensordesc<bf16[1, 64, 1, 64]>"
     types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, IDX="*i32", O="*fp32",
-                 LSE="*fp32", DO="*bf16", DELTA="*fp32", DQ_IN="*fp32", DQ_OUT="*bf16",
-                 scale_log2="fp32", scale="fp32")
+                 LSE="*fp32", DO="*bf16", GATE="*fp32", DELTA="*fp32", DQ_IN="*fp32",
+                 DQ_OUT="*bf16", scale_log2="fp32", scale="fp32")
     kernel = "_masked_fwd_kernel" if kind == "fwd" else "_masked_dq_kernel"
     assert sm90_stack(f"selected_masked.{kernel}", types, constants, tuning["num_warps"],
                       tuning["num_stages"]) <= 1024

@@ -12,6 +12,7 @@ from nsa.ops.params import LOG2E, NSAParams
 pytest.importorskip("triton")
 
 from nsa.ops.triton import selected  # noqa: E402
+from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
     masked_causal_selection,
     masked_dq,
@@ -95,7 +96,8 @@ def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
     o, lse = masked_forward(q, k, v, idx, params, scale)
     delta = (do.float() * o).sum(-1)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    masked_dq(q, k, v, idx, do, lse, delta, dq, None, params, scale, accumulate=False)
+    masked_dq(q, k, v, idx, BranchGrad.ungated(do), lse, delta, dq, None, params, scale,
+              accumulate=False)
     return o, lse, dq
 
 
@@ -197,8 +199,8 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
         o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale)
         delta = (do * o).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        selected.selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale,
-                                   accumulate=False)
+        selected.selected_backward(q, k, v, idx, BranchGrad.ungated(do), lse, delta, dq,
+                                   tables, params, scale, accumulate=False)
         results.append((o, lse, dq))
     assert calls == ["fwd", "dq"]  # the packed tables took the per-position kernels
     for masked, per_position in zip(*results):

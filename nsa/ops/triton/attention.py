@@ -19,7 +19,7 @@ import torch
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.gating import gate_backward, gated_sum
-from nsa.ops.triton.launch import unit_stride
+from nsa.ops.triton.launch import BranchGrad, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
@@ -42,18 +42,20 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
               lse_cmp, lse_slc, lse_win, params: NSAParams, scale: float, cu_seqlens):
     """-> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), in their dtypes."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
-    do_branch, delta, dgates = gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q.dtype)
+    gate, delta, dgates = gate_backward(grad_out, gates, o_cmp, o_slc, o_win)
+    # Branch i's output gradient is gate[i] · grad_out: its kernels apply the gate.
+    cmp_grad, slc_grad, win_grad = (BranchGrad(grad_out, g) for g in gate)
     # dq: the compressed branch writes the float32 sum, the selected branch adds to it, the
     # window branch adds its own and writes the total in q's dtype (no zero fill, no cast).
     dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dq = torch.empty_like(q)
     grads = (
-        branch_backward(q, k_cmp, v_cmp, do_branch[0], lse_cmp, delta[0], dq_sum, tables,
-                        MODE_CMP, params, scale, accumulate=False),
-        selected_backward(q, k, v, idx, do_branch[1], lse_slc, delta[1], dq_sum, tables, params,
+        branch_backward(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], dq_sum, tables, MODE_CMP,
+                        params, scale, accumulate=False),
+        selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables, params,
                           scale),
-        branch_backward(q, k_win, v_win, do_branch[2], lse_win, delta[2], dq_sum, tables,
-                        MODE_WIN, params, scale, dq_out=dq),
+        branch_backward(q, k_win, v_win, win_grad, lse_win, delta[2], dq_sum, tables, MODE_WIN,
+                        params, scale, dq_out=dq),
     )
     (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win

@@ -157,16 +157,19 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
-                      PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True):
+                      PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True, gate=None):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
     tile dS is 0 where not ``valid``, whatever v, do and delta hold there. Without MASKED
-    every pair counts (a full tile; padding rows have lse = +inf, so p = 0 there)."""
+    every pair counts (a full tile; padding rows have lse = +inf, so p = 0 there). With a
+    ``gate`` per row (finite), p and so dS are multiplied by it."""
     # p <= 1 in exact arithmetic; a product recomputed an ulp above the forward's, times a
     # huge scale, would make it inf (NaN stays NaN).
     p = tl.minimum(exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 1.0,
                    propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         p = tl.where(valid, p, 0.0)
+    if gate is not None:
+        p *= gate[:, None]
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
     if PARTIAL:
         ds = tl.where(valid, ds, 0.0)
@@ -186,19 +189,24 @@ def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
 
 
 @triton.jit
-def dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE: tl.constexpr,
-              PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
-    """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows. A
-    PARTIAL tile multiplies the finite parts of q and do; a row whose do is not finite poisons
-    its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it sees."""
+def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+              IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
+    """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
+    output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
+    PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
+    not finite poisons its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it
+    sees."""
     q_mult = q
     do_mult = do
+    gate_mult = gate
     if PARTIAL:
         q_mult, _ = finite_part(q)
         do_mult, do_poison = finite_part(do)
-        lse = lse + do_poison
+        gate_ok = tl.abs(gate) < float("inf")
+        gate_mult = tl.where(gate_ok, gate, 0.0)
+        lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED)
+                              MASKED, gate_mult)
     acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)
     acc_k += dot(tl.trans(ds).to(q.dtype), q_mult, IEEE)
     return acc_k, acc_v

@@ -36,6 +36,7 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.launch import (
+    BranchGrad,
     descriptor_pair,
     launch_shape,
     num_sms,
@@ -159,7 +160,7 @@ def _branch_fwd_kernel(
 
 @triton.jit
 def _branch_bwd_dq_kernel(
-    Q, K, V, KD, VD, DO, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2, scale,
@@ -172,10 +173,12 @@ def _branch_bwd_dq_kernel(
     the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype)."""
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
     for i in range(0, num_partial):
         k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
@@ -188,17 +191,18 @@ def _branch_bwd_dq_kernel(
                               BLOCK_DV, BLOCK_N, TMA)
         acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
     rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
-    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, ACCUMULATE)
+    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
+                    BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
-def _query_tile(t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_start, b, h,
+def _query_tile(t_start, t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, tok_pos, tok_cmp_start, b, h,
                 stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb,
                 stride_lt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
                 MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
                 CMP_STRIDE: tl.constexpr):
-    """q, do, lse, delta of the P positions from t_start (below t_hi) x G heads, and the mask
+    """q, do, gate, lse, delta of the P positions from t_start (below t_hi) x G heads, and the mask
     of their pairs with the keys s."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
@@ -208,21 +212,23 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, LSE, DELTA, tok_pos, tok_cmp_star
     lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                 CMP_STRIDE)
     t64 = t.to(tl.int64)
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
-    return q, do, lse, delta, valid
+    return q, do, gate, lse, delta, valid
 
 
 @triton.jit
-def _full_query_tile(t_start, Q, DO, QD, DOD, LSE, DELTA, b, h, stride_qb, stride_qt,
+def _full_query_tile(t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt,
                      stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                      G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
                      TMA: tl.constexpr):
-    """q, do, lse, delta of the P positions from t_start x G heads in a full query tile (each
+    """q, do, gate, lse, delta of the P positions from t_start x G heads in a full query tile (each
     of them sees every key of the tile): with TMA one tensor-descriptor load each of q and do
     (QD, DOD: [B, T, HQ, D] descriptors of P positions x G heads; P · G == BLOCK_R)."""
     P: tl.constexpr = BLOCK_R // G
@@ -239,14 +245,17 @@ def _full_query_tile(t_start, Q, DO, QD, DOD, LSE, DELTA, b, h, stride_qb, strid
                       BLOCK_DK)
         do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
                        BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
-    return q, do, lse, delta
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    return q, do, gate, lse, delta
 
 
 @triton.jit
 def _branch_bwd_dkdv_kernel(
-    Q, K, V, DO, QD, DOD, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo, key_t_hi,
+    Q, K, V, DO, QD, DOD, GATE, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo,
+    key_t_hi,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
@@ -281,20 +290,20 @@ def _branch_bwd_dkdv_kernel(
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for i in range(0, num_partial):
-        q, do, lse, delta, valid = _query_tile(
-            partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, LSE, DELTA,
+        q, do, gate, lse, delta, valid = _query_tile(
+            partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA,
             tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot,
             stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
             CMP_BLOCK, CMP_STRIDE)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
-                                 True)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+                                 IEEE, True)
     for t_start in range(full_lo, full_hi, P):
-        q, do, lse, delta = _full_query_tile(
-            t_start, Q, DO, QD, DOD, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
+        q, do, gate, lse, delta = _full_query_tile(
+            t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
             BLOCK_DV, BLOCK_R, TMA)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, None, acc_k, acc_v, scale_log2, IEEE,
-                                 False, False)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v, scale_log2,
+                                 IEEE, False, False)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
@@ -340,12 +349,13 @@ def branch_forward(q, k, v, tables, mode, params, scale):
     return o, lse
 
 
-def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
+def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, params, scale, *,
                     accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
     ``accumulate`` (else written alone); returns (dk, dv) in the dtypes of k and v."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     NK = k.shape[1]
+    do = grad.do
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                 BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
@@ -353,9 +363,9 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
     R, launch = launch_shape("dense_dq", G, max(Dk, Dv), q.element_size())
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
-        q, k, v, kd, vd, do, lse, delta, dq, dq if dq_out is None else dq_out, tables.tok_pos,
-        tables.tok_cmp_start, *tensor_strides, T, NK, H, scale * LOG2E, scale, BLOCK_R=R,
-        TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
+        q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
+        tables.tok_pos, tables.tok_cmp_start, *tensor_strides, T, NK, H, scale * LOG2E, scale,
+        BLOCK_R=R, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
@@ -377,9 +387,9 @@ def branch_backward(q, k, v, do, lse, delta, dq, tables, mode, params, scale, *,
         R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv), q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
-            q, k, v, do, qd, dod, lse, delta, dk, dv, tables.tok_pos, tables.tok_cmp_start,
-            t_lo, t_hi, *tensor_strides, *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0),
-            dv.stride(0), T, NK, H, segment, scale * LOG2E,
+            q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
+            tables.tok_cmp_start, t_lo, t_hi, *tensor_strides, *dk.stride()[1:4],
+            *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
             scale, BLOCK_R=R, TMA=tma, **meta, **launch,
         )
     if single:

@@ -3,9 +3,11 @@ Triton kernels, then their launch wrappers.
 
 Rows are the flattened (batch, position, query head) triples; every tensor is contiguous.
 Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward, for each branch i:
-dg_i = do · o_i, the branch's output gradient do_i = g_i do (stored in the inputs' dtype, which
-the attention backward kernels read) and delta_i = do_i · o_i computed from that rounded do_i,
-so that p (dp - delta) cancels exactly where it should.
+dg_i = do · o_i; delta_i, the same sum in float32; and g_i in float32, contiguous per branch.
+The branch's output gradient g_i do is not formed: its backward kernels read do, compute
+p (dp - delta_i) with dp = do · v, which cancels where it should, and multiply the results by
+g_i per row. Three g_i do copies took 3 GiB at 64k with 64 heads of 128 (and rounded g_i do
+to the inputs' dtype).
 """
 
 from __future__ import annotations
@@ -44,27 +46,29 @@ def _gated_sum_kernel(O_CMP, O_SLC, O_WIN, GATES, OUT, N, DV: tl.constexpr,
 
 
 @triton.jit
-def _branch_gate_grad(do, O, GATES, DO_BRANCH, DELTA, DGATES, branch: tl.constexpr, r, row_ok,
+def _branch_gate_grad(do, O, GATES, GATE, DELTA, DGATES, branch: tl.constexpr, r, row_ok,
                       offsets, mask):
-    """dg, do_i and delta_i of one branch (see the module docstring)."""
+    """dg_i, delta_i and g_i of one branch (see the module docstring)."""
     o = tl.load(O + offsets, mask=mask, other=0.0)
-    g = tl.load(GATES + r.to(tl.int64) * 3 + branch, mask=row_ok, other=0.0).to(tl.float32)
-    dg = tl.sum(do * o, axis=1)
-    tl.store(DGATES + r.to(tl.int64) * 3 + branch, dg.to(DGATES.dtype.element_ty), mask=row_ok)
-    do_branch = (g[:, None] * do).to(DO_BRANCH.dtype.element_ty)
-    tl.store(DO_BRANCH + offsets, do_branch, mask=mask)
-    tl.store(DELTA + r, tl.sum(do_branch.to(tl.float32) * o, axis=1), mask=row_ok)
+    do_o = tl.sum(do * o, axis=1)
+    gates = r.to(tl.int64) * 3 + branch
+    tl.store(DGATES + gates, do_o.to(DGATES.dtype.element_ty), mask=row_ok)
+    tl.store(DELTA + r, do_o, mask=row_ok)
+    tl.store(GATE + r, tl.load(GATES + gates, mask=row_ok).to(tl.float32), mask=row_ok)
 
 
 @triton.jit
-def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, DO_CMP, DO_SLC, DO_WIN, DELTA_CMP,
-                          DELTA_SLC, DELTA_WIN, DGATES, N, DV: tl.constexpr,
+def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GATE_WIN,
+                          DELTA_CMP, DELTA_SLC, DELTA_WIN, DGATES, N, DV: tl.constexpr,
                           BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     r, row_ok, offsets, mask = _rows(N, DV, BLOCK_D, ROWS)
     do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
-    _branch_gate_grad(do, O_CMP, GATES, DO_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets, mask)
-    _branch_gate_grad(do, O_SLC, GATES, DO_SLC, DELTA_SLC, DGATES, 1, r, row_ok, offsets, mask)
-    _branch_gate_grad(do, O_WIN, GATES, DO_WIN, DELTA_WIN, DGATES, 2, r, row_ok, offsets, mask)
+    _branch_gate_grad(do, O_CMP, GATES, GATE_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets,
+                      mask)
+    _branch_gate_grad(do, O_SLC, GATES, GATE_SLC, DELTA_SLC, DGATES, 1, r, row_ok, offsets,
+                      mask)
+    _branch_gate_grad(do, O_WIN, GATES, GATE_WIN, DELTA_WIN, DGATES, 2, r, row_ok, offsets,
+                      mask)
 
 
 # Launch wrappers -------------------------------------------------------------------------
@@ -79,14 +83,14 @@ def gated_sum(o_cmp, o_slc, o_win, gates, dtype):
     return out
 
 
-def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, dtype):
-    """-> (do_branch [3, B, T, HQ, Dv] in ``dtype``, delta [3, B, T, HQ] float32, dgates in
-    the gates' dtype)."""
+def gate_backward(grad_out, gates, o_cmp, o_slc, o_win):
+    """-> (gate [3, B, T, HQ] float32, delta [3, B, T, HQ] float32, dgates in the gates' dtype)
+    for grad_out [B, T, HQ, Dv], gates [B, T, HQ, 3] and the float32 branch outputs."""
     N, Dv = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
-    do_branch = torch.empty(3, *o_cmp.shape, dtype=dtype, device=o_cmp.device)
-    delta = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=o_cmp.device)
+    gate = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=o_cmp.device)
+    delta = torch.empty_like(gate)
     dgates = torch.empty(gates.shape, dtype=gates.dtype, device=o_cmp.device)
     _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
-        grad_out, gates, o_cmp, o_slc, o_win, *do_branch, *delta, dgates, N, DV=Dv,
-        BLOCK_D=pow2(Dv), ROWS=GATE_ROWS)
-    return do_branch, delta, dgates
+        grad_out, gates, o_cmp, o_slc, o_win, *gate, *delta, dgates, N, DV=Dv, BLOCK_D=pow2(Dv),
+        ROWS=GATE_ROWS)
+    return gate, delta, dgates

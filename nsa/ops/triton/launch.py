@@ -4,6 +4,7 @@ per kernel family (measured choices: bench/NOTES.md), and small helpers of the l
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,6 +28,20 @@ TUNING = {
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=1),
     "masked_dq": dict(rows=128, num_warps=4, num_stages=1),
 }
+
+
+class BranchGrad(NamedTuple):
+    """One branch's output gradient as its backward kernels take it: gate · do, never formed
+    (the kernels multiply what they compute from do by each row's gate). do [B, T, HQ, Dv];
+    gate [B, T, HQ] float32, contiguous like the branch's log-sum-exp."""
+
+    do: torch.Tensor
+    gate: torch.Tensor
+
+    @classmethod
+    def ungated(cls, do: torch.Tensor) -> BranchGrad:
+        """do itself as a branch's output gradient (gates of 1)."""
+        return cls(do, torch.ones(do.shape[:-1], dtype=torch.float32, device=do.device))
 
 
 def pow2(x: int, minimum: int = 16) -> int:

@@ -43,6 +43,7 @@ from nsa.ops.triton.common import (
 )
 from nsa.ops.triton.launch import (
     TUNING,
+    BranchGrad,
     descriptor_pair,
     launch_shape,
     pow2,
@@ -141,22 +142,24 @@ def _selected_fwd_kernel(
 
 @triton.jit
 def _selected_bwd_dq_kernel(
-    Q, K, V, KD, VD, IDX, DO, LSE, DELTA, DQ_IN, DQ_OUT, TOK_POS,
+    Q, K, V, KD, VD, IDX, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
-    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
         NUM_SELECTED, SEL_BLOCK)
+    lse_rows = b * stride_lb + t * stride_lt + hq
     do = load_tile(DO + b * stride_ob + t * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + hq, mask=row_ok, other=0.0)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
     # Slots are ascending: all but the last hold whole blocks before t's own block.
     for slot in range(0, num_blocks - 1):
@@ -175,15 +178,16 @@ def _selected_bwd_dq_kernel(
                               scale_log2, IEEE)
     acc += dot(ds.to(k.dtype), k, IEEE)
     rows = b * stride_qb + t * stride_qt + hq * stride_qh
-    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, ACCUMULATE)
+    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
+                    BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
-def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb,
+def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, entry_pos, b, h, stride_qb,
                 stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                 G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
-    """q, do, lse, delta of the P entries (positions) from e_start (below e_hi) x G heads, and
+    """q, do, gate, lse, delta of the P entries (positions) from e_start (below e_hi) x G heads, and
     the mask of their pairs with the block's tokens s (s <= t)."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
@@ -192,12 +196,14 @@ def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stri
     t = tl.load(entry_pos + e, mask=row_ok, other=0)
     hq = h * G + r % G
     t64 = t.to(tl.int64)
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-    return q, do, lse, delta, valid
+    return q, do, gate, lse, delta, valid
 
 
 @triton.jit
@@ -238,7 +244,7 @@ def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr
 
 @triton.jit
 def _selected_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
+    Q, K, V, DO, GATE, LSE, DELTA, DK_PART, DV_PART, block_token_start, block_token_end,
     SEG_FIRST, OFFSETS, entry_pos,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -277,19 +283,19 @@ def _selected_bwd_dkdv_kernel(
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
     for i in range(0, num_partial):
-        q, do, lse, delta, valid = _entry_tile(
-            partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, Q, DO, LSE, DELTA,
+        q, do, gate, lse, delta, valid = _entry_tile(
+            partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, Q, DO, GATE, LSE, DELTA,
             entry_pos, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
-                                 True)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+                                 IEEE, True)
     for e_start in range(full_lo, full_hi, P):
-        q, do, lse, delta, valid = _entry_tile(
-            e_start, e_hi, s, k_ok, Q, DO, LSE, DELTA, entry_pos, b, h, stride_qb, stride_qt,
-            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
-            BLOCK_DK, BLOCK_DV, BLOCK_R)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, lse, delta, valid, acc_k, acc_v, scale_log2, IEEE,
-                                 False)
+        q, do, gate, lse, delta, valid = _entry_tile(
+            e_start, e_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, entry_pos, b, h, stride_qb,
+            stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK,
+            DV, BLOCK_DK, BLOCK_DV, BLOCK_R)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+                                 IEEE, False)
     rows = seg.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     tl.store(DK_PART + rows[:, None] * BLOCK_DK + dk[None, :], acc_k * scale)
     tl.store(DV_PART + rows[:, None] * BLOCK_DV + dv[None, :], acc_v)
@@ -426,31 +432,32 @@ def _inverse_index(idx, tables, params):
     return num_global, block_start, block_end, offsets, entry_pos
 
 
-def selected_backward(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *,
+def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale, *,
                       accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
     ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
     dq_kernel = (masked_dq if masked_causal_selection(q.shape[1], params, tables.packed)
                  else position_dq)
-    dq_kernel(q, k, v, idx, do, lse, delta, dq, tables, params, scale, accumulate=accumulate,
+    dq_kernel(q, k, v, idx, grad, lse, delta, dq, tables, params, scale, accumulate=accumulate,
               dq_out=dq_out)
-    return selected_dkdv(q, k, v, idx, do, lse, delta, tables, params, scale)
+    return selected_dkdv(q, k, v, idx, grad, lse, delta, tables, params, scale)
 
 
-def position_dq(q, k, v, idx, do, lse, delta, dq, tables, params, scale, *, accumulate=True,
-                dq_out=None):
+def position_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale, *,
+                accumulate=True, dq_out=None):
     """The selected dq with one program per (position, KV head)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     kd, vd, tma = _block_descriptors(k, v, params)
     _selected_bwd_dq_kernel[(T, B * H)](
-        q, k, v, kd, vd, idx, do, lse, delta, dq, dq if dq_out is None else dq_out,
-        tables.tok_pos, *strides(q), *strides(k), *strides(v), *strides(idx), *strides(do),
-        *lse.stride()[:2], H, scale * LOG2E, scale, TMA=tma, ACCUMULATE=accumulate,
+        q, k, v, kd, vd, idx, grad.do, grad.gate, lse, delta, dq,
+        dq if dq_out is None else dq_out, tables.tok_pos, *strides(q), *strides(k), *strides(v),
+        *strides(idx), *strides(grad.do), *lse.stride()[:2], H, scale * LOG2E, scale,
+        TMA=tma, ACCUMULATE=accumulate,
         **_selected_launch("dq", q, k, v, params),
     )
 
 
-def selected_dkdv(q, k, v, idx, do, lse, delta, tables, params, scale):
+def selected_dkdv(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, scale):
     """dK, dV of the selected branch (per block, from the positions that selected it), in
     the dtypes of k and v."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
@@ -468,12 +475,12 @@ def selected_dkdv(q, k, v, idx, do, lse, delta, tables, params, scale):
     dv_part = torch.empty(num_segments * bs, bdv, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
     _selected_bwd_dkdv_kernel[(num_segments,)](
-        q, k, v, do, lse, delta, dk_part, dv_part, block_start, block_end, seg_first, offsets,
-        entry_pos, *strides_qkv, *strides(do), *lse.stride()[:2],
+        q, k, v, grad.do, grad.gate, lse, delta, dk_part, dv_part, block_start, block_end,
+        seg_first, offsets, entry_pos, *strides_qkv, *strides(grad.do), *lse.stride()[:2],
         H, num_global, num_lists, scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_R=R, BLOCK_S=bs,
-        IEEE=meta["IEEE"], SEGMENT=SELECTED_SEGMENT, SEARCH_STEPS=num_lists.bit_length(),
-        **launch,
+        IEEE=meta["IEEE"], SEGMENT=SELECTED_SEGMENT,
+        SEARCH_STEPS=num_lists.bit_length(), **launch,
     )
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -31,7 +31,14 @@ from nsa.ops.triton.common import (
     load_tile,
     store_rows,
 )
-from nsa.ops.triton.launch import descriptor_pair, launch_shape, pow2, shapes, strides
+from nsa.ops.triton.launch import (
+    BranchGrad,
+    descriptor_pair,
+    launch_shape,
+    pow2,
+    shapes,
+    strides,
+)
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
@@ -156,7 +163,7 @@ def _masked_fwd_kernel(
 
 @triton.jit
 def _masked_dq_kernel(
-    Q, K, V, KD, VD, IDX, DO, LSE, DELTA, DQ_IN, DQ_OUT,
+    Q, K, V, KD, VD, IDX, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -168,10 +175,12 @@ def _masked_dq_kernel(
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE."""
     b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    lse = tl.load(LSE + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + t64 * stride_lt + hq, mask=row_ok, other=0.0)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
                            NUM_SELECTED, BLOCK_NSEL)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
@@ -198,7 +207,8 @@ def _masked_dq_kernel(
             valid = chosen[:, None] & (s[None, :] <= t64[:, None])
             acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
     rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
-    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, ACCUMULATE)
+    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
+                    BLOCK_DK, ACCUMULATE)
 
 
 # Launch wrappers -------------------------------------------------------------------------
@@ -230,13 +240,14 @@ def masked_forward(q, k, v, idx, params: NSAParams, scale: float):
     return o, lse
 
 
-def masked_dq(q, k, v, idx, do, lse, delta, dq, tables, params: NSAParams, scale: float, *,
-              accumulate=True, dq_out=None):
+def masked_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params: NSAParams,
+              scale: float, *, accumulate=True, dq_out=None):
     """The selected branch's dq into ``dq_out`` (default ``dq``), added to ``dq`` when
     ``accumulate`` (``tables`` unused: the signature of selected.position_dq)."""
     grid, meta, kd, vd = _launch("masked_dq", q, k, v, idx, params)
     _masked_dq_kernel[grid](
-        q, k, v, kd, vd, idx, do, lse, delta, dq, dq if dq_out is None else dq_out,
-        *strides(q), *strides(k), *strides(v), *strides(idx), *strides(do), *lse.stride()[:2],
-        q.shape[1], k.shape[2], scale * LOG2E, scale, ACCUMULATE=accumulate, **meta,
+        q, k, v, kd, vd, idx, grad.do, grad.gate, lse, delta, dq,
+        dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v), *strides(idx),
+        *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2], scale * LOG2E, scale,
+        ACCUMULATE=accumulate, **meta,
     )
