@@ -221,6 +221,26 @@ def load_tile(row_ptrs, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def key_value_tile(K, V, KD, VD, b, h, start, key_end, stride_kb, stride_kt, stride_kh,
+                   stride_vb, stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   TMA: tl.constexpr):
+    """Keys, values [BLOCK_N, D] of KV head h from ``start``, 0 from ``key_end`` on. With TMA
+    one tensor-descriptor load each (KD, VD: [B, NK, H, D] descriptors of BLOCK_N keys, zeros
+    only past NK: for tiles that end at or before key_end); else pointer loads from K and V."""
+    if TMA:
+        where = [b.to(tl.int32), start, h, 0]
+        return (KD.load(where).reshape(BLOCK_N, BLOCK_DK),
+                VD.load(where).reshape(BLOCK_N, BLOCK_DV))
+    s = start + tl.arange(0, BLOCK_N)
+    s64 = s.to(tl.int64)
+    k_ok = s < key_end
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    return k, v
+
+
+@triton.jit
 def store_tile(row_ptrs, value, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
     tl.store(row_ptrs[:, None] + d[None, :], value, mask=row_ok[:, None] & (d[None, :] < D))

@@ -29,6 +29,7 @@ from nsa.ops.triton.common import (
     compressed_count,
     dkdv_tile,
     dq_tile,
+    key_value_tile,
     load_tile,
     partial_tile,
     split_tiles,
@@ -101,29 +102,12 @@ def _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys, values [BLOCK_N, D] from ``start`` (0 from hi on) and the mask of the (row, key)
     pairs inside the rows' ranges."""
+    k, v = key_value_tile(K, V, K, V, b, h, start, hi, stride_kb, stride_kt, stride_kh,
+                          stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                          False)
     s = start + tl.arange(0, BLOCK_N)
-    s64 = s.to(tl.int64)
-    k_ok = s < hi
-    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
     valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None])
     return k, v, valid
-
-
-@triton.jit
-def _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh,
-                   stride_vb, stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                   TMA: tl.constexpr):
-    """Keys, values [BLOCK_N, D] of a full tile (every key in every row's range): with TMA one
-    tensor-descriptor load each (KD, VD: [B, NK, H, D] descriptors of BLOCK_N keys)."""
-    if TMA:
-        where = [b.to(tl.int32), start, h, 0]
-        return (KD.load(where).reshape(BLOCK_N, BLOCK_DK),
-                VD.load(where).reshape(BLOCK_N, BLOCK_DV))
-    k, v, _ = _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh,
-                        stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
-    return k, v
 
 
 @triton.jit
@@ -149,9 +133,9 @@ def _branch_fwd_kernel(
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
-        k, v = _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
-                              stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                              BLOCK_DV, BLOCK_N, TMA)
+        k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
+                              stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                              BLOCK_N, TMA)
         m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
     store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
                LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
@@ -186,9 +170,9 @@ def _branch_bwd_dq_kernel(
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
-        k, v = _full_key_tile(K, V, KD, VD, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt,
-                              stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                              BLOCK_DV, BLOCK_N, TMA)
+        k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
+                              stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                              BLOCK_N, TMA)
         acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
     rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
     accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,

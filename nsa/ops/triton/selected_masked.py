@@ -28,6 +28,7 @@ from nsa.ops.triton.common import (
     accumulate_tile,
     attend_tile,
     dq_tile,
+    key_value_tile,
     load_tile,
     store_rows,
 )
@@ -96,24 +97,6 @@ def _tile_selection(bits, row_ok, start, SEL_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(K, V, KD, VD, b, h, start, key_end, stride_kb, stride_kt, stride_kh, stride_vb,
-              stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """Keys, values [BLOCK_N, D] from ``start``, 0 from ``key_end`` on; with TMA one
-    tensor-descriptor load each (KD, VD: [B, T, H, D] descriptors of BLOCK_N keys; zeros past
-    T, so only for tiles that end at or before key_end)."""
-    if TMA:
-        where = [b.to(tl.int32), start, h, 0]
-        return (KD.load(where).reshape(BLOCK_N, BLOCK_DK),
-                VD.load(where).reshape(BLOCK_N, BLOCK_DV))
-    s = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-    k_ok = s < key_end
-    k = load_tile(K + b * stride_kb + s * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-    v = load_tile(V + b * stride_vb + s * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-    return k, v
-
-
-@triton.jit
 def _masked_fwd_kernel(
     Q, K, V, KD, VD, IDX, O, LSE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -137,22 +120,22 @@ def _masked_fwd_kernel(
     for start in range(0, full_hi, BLOCK_N):
         chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
         if every:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_N, TMA)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
+                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                                  BLOCK_N, TMA)
             m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
         elif some:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_N, TMA)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
+                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                                  BLOCK_N, TMA)
             m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE, True)
     # Tiles on the diagonal: masked by position as well.
     for start in range(full_hi, t_last + 1, BLOCK_N):
         chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
         if some:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
-                             stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                             BLOCK_DV, BLOCK_N, False)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, False)
             s = start + tl.arange(0, BLOCK_N)
             valid = chosen[:, None] & (s[None, :] <= t64[:, None])
             m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
@@ -188,21 +171,21 @@ def _masked_dq_kernel(
     for start in range(0, full_hi, BLOCK_N):
         chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
         if every:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_N, TMA)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
+                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                                  BLOCK_N, TMA)
             acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
         elif some:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_N, TMA)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
+                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                                  BLOCK_N, TMA)
             acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE, True)
     for start in range(full_hi, t_last + 1, BLOCK_N):
         chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
         if some:
-            k, v = _key_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
-                             stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                             BLOCK_DV, BLOCK_N, False)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, False)
             s = start + tl.arange(0, BLOCK_N)
             valid = chosen[:, None] & (s[None, :] <= t64[:, None])
             acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
