@@ -41,7 +41,7 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     autocast: bool = True  # bf16 autocast on CUDA; the CPU always computes in float32
     num_threads: int | None = None  # torch.set_num_threads; None keeps torch's default
-    # Data: "shakespeare" (bundled), "synthetic", "passkey[:MIN-MAX[:LO-HI]]", "fineweb",
+    # Data: "shakespeare" (bundled), "synthetic", "passkey[:MIN-MAX[:LO-HI]][:answers]", "fineweb",
     # "hf:<name>" or local files (a .txt/.jsonl/.parquet file, directory or glob); see
     # nsa.train.streams.build_stream.
     data: str = "shakespeare"

@@ -11,8 +11,9 @@ question. Every draw (keys, lengths, depths) comes from a ``torch.Generator``, s
 pure functions of its seed.
 
 Two users: ``nsa eval --tasks passkey`` asks for the key (:mod:`nsa.eval.passkey`), and the
-training source ``data=passkey[:MIN-MAX[:LO-HI]]`` (:func:`passkey_batch`) packs whole documents,
-answer included, into rows.
+training source ``data=passkey[:MIN-MAX[:LO-HI]][:answers]`` (:func:`passkey_batch`) packs whole
+documents, answer included, into rows (with ``:answers`` the loss reads the answers' tokens
+only).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ KEY_DIGITS = 5
 # Tokens a model generates to answer: the answer's bytes, since no token of our tokenizers (bytes,
 # GPT-2's BPE) is shorter than a byte.
 ANSWER_TOKENS = len(ANSWER.format(key="9" * KEY_DIGITS).encode())
-_SOURCE = re.compile(r"passkey(?::(\d+)-(\d+)(?::(\d+(?:\.\d*)?)-(\d+(?:\.\d*)?))?)?")
+IGNORED = -100  # a target the loss skips (F.cross_entropy's default ignore_index)
+_SOURCE = re.compile(
+    r"passkey(?::(\d+)-(\d+)(?::(\d+(?:\.\d*)?)-(\d+(?:\.\d*)?))?)?(:answers)?")
 
 
 def random_key(generator: torch.Generator) -> str:
@@ -90,22 +93,26 @@ class PasskeyText:
     def answer(self, key: str) -> list[int]:
         return self.tokenizer.encode(ANSWER.format(key=key))
 
-    def document(self, length: int, depth: float, key: str) -> list[int]:
-        """Prompt, answer and the tokenizer's end-of-text id: exactly ``length`` tokens."""
+    def document(self, length: int, depth: float, key: str) -> tuple[list[int], list[bool]]:
+        """(tokens, is_answer): prompt, answer and the tokenizer's end-of-text id, exactly
+        ``length`` tokens, and which of them are the answer's."""
         answer = self.answer(key)
         prompt = self.prompt(length - len(answer) - 1, depth, key)
-        return prompt.tokens + answer + [self.tokenizer.eot]
+        is_answer = [False] * len(prompt.tokens) + [True] * len(answer) + [False]
+        return prompt.tokens + answer + [self.tokenizer.eot], is_answer
 
 
 @dataclass(frozen=True)
 class PasskeySource:
-    """The documents of ``data=passkey:MIN-MAX:LO-HI``: lengths MIN to MAX tokens (end-of-text
-    included), needle depths LO to HI percent, each drawn uniformly."""
+    """The documents of ``data=passkey:MIN-MAX:LO-HI[:answers]``: lengths MIN to MAX tokens
+    (end-of-text included), needle depths LO to HI percent, each drawn uniformly; with
+    ``answers_only`` every target but the answers' tokens is ignored by the loss."""
 
     min_length: int
     max_length: int
     min_depth: float
     max_depth: float
+    answers_only: bool = False
 
 
 def is_passkey_source(source: str) -> bool:
@@ -114,12 +121,13 @@ def is_passkey_source(source: str) -> bool:
 
 def parse_passkey_source(source: str, text: PasskeyText, row_length: int) -> PasskeySource:
     """``passkey`` (documents from the shortest one to a whole row of ``row_length`` tokens,
-    depths 0 to 100), ``passkey:MIN-MAX`` or ``passkey:MIN-MAX:LO-HI``; SetupError naming the
-    problem."""
+    depths 0 to 100), ``passkey:MIN-MAX`` or ``passkey:MIN-MAX:LO-HI``, each optionally ending
+    in ``:answers`` (the loss on the answers only); SetupError naming the problem."""
     match = _SOURCE.fullmatch(source)
     if match is None:
         raise SetupError(f"data={source!r}: write passkey, passkey:MIN-MAX (document lengths in "
-                         f"tokens) or passkey:MIN-MAX:LO-HI (needle depths in percent)")
+                         f"tokens) or passkey:MIN-MAX:LO-HI (needle depths in percent), "
+                         f"optionally followed by :answers (the loss on the answers only)")
     lengths, depths = match.group(1, 2), match.group(3, 4)
     low, high = (int(n) for n in lengths) if lengths[0] else (text.shortest_document, row_length)
     depth_low, depth_high = (float(d) for d in depths) if depths[0] else (0.0, 100.0)
@@ -131,16 +139,17 @@ def parse_passkey_source(source: str, text: PasskeyText, row_length: int) -> Pas
     if not 0 <= depth_low <= depth_high <= 100:
         raise SetupError(f"data={source!r}: depths must satisfy 0 <= LO <= HI <= 100, got "
                          f"{depth_low:g}-{depth_high:g}")
-    return PasskeySource(low, high, depth_low, depth_high)
+    return PasskeySource(low, high, depth_low, depth_high, match.group(5) is not None)
 
 
 def passkey_row(text: PasskeyText, source: PasskeySource, row_length: int,
-                generator: torch.Generator) -> list[int]:
-    """``row_length`` tokens of documents of random length, depth and key, back to back. Each
-    is whole, shortened to fit what is left of the row when that is less than its length; when
-    less than ``source.min_length`` is left, a last document is cut at the row's end, as packing
-    cuts documents."""
+                generator: torch.Generator) -> tuple[list[int], list[bool]]:
+    """(tokens, is_answer): ``row_length`` tokens of documents of random length, depth and key,
+    back to back, and which are answers' tokens. Each document is whole, shortened to fit what
+    is left of the row when that is less than its length; when less than ``source.min_length``
+    is left, a last document is cut at the row's end, as packing cuts documents."""
     row: list[int] = []
+    is_answer: list[bool] = []
     while len(row) < row_length:
         left = row_length - len(row)
         length = int(torch.randint(source.min_length, source.max_length + 1, (1,),
@@ -148,19 +157,23 @@ def passkey_row(text: PasskeyText, source: PasskeySource, row_length: int,
         fraction = float(torch.rand((), generator=generator))
         depth = source.min_depth + (source.max_depth - source.min_depth) * fraction
         key = random_key(generator)
-        if left >= source.min_length:
-            row += text.document(min(length, left), depth, key)
-        else:
-            row += text.document(source.min_length, depth, key)[:left]
-    return row
+        tokens, answer = text.document(max(min(length, left), source.min_length), depth, key)
+        row += tokens[:left]
+        is_answer += answer[:left]
+    return row, is_answer
 
 
 def passkey_batch(index: int, *, text: PasskeyText, source: PasskeySource, seed: int,
                   stream: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x, y) [B, T]: rows of passkey documents (:func:`passkey_row`), a pure function of
     (seed, stream, index). The loss reads every token: the filler too, which a model soon
-    predicts, leaving the key the part still to learn."""
+    predicts, leaving the key the part still to learn; with ``source.answers_only`` the other
+    targets are IGNORED (every row holds one whole document, so one answer at least)."""
     generator = batch_generator(seed, stream, index)
-    rows = torch.tensor([passkey_row(text, source, seq_len + 1, generator)
-                         for _ in range(batch_size)])  # [B, T + 1]
-    return rows[:, :-1], rows[:, 1:]
+    rows, answers = zip(*(passkey_row(text, source, seq_len + 1, generator)
+                          for _ in range(batch_size)), strict=True)
+    rows = torch.tensor(rows)  # [B, T + 1]
+    x, y = rows[:, :-1], rows[:, 1:]
+    if source.answers_only:
+        y = y.masked_fill(~torch.tensor(answers)[:, 1:], IGNORED)
+    return x, y

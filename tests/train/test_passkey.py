@@ -13,6 +13,7 @@ from nsa.train.errors import SetupError
 from nsa.train.passkey import (
     ANSWER_TOKENS,
     FILLER,
+    IGNORED,
     KEY_DIGITS,
     NEEDLE,
     QUESTION,
@@ -60,8 +61,9 @@ def test_depths_outside_0_to_100_are_refused():
 
 
 def test_a_document_is_prompt_answer_and_eot_of_exactly_its_length():
-    document = TEXT.document(120, 30, "50001")
+    document, is_answer = TEXT.document(120, 30, "50001")
     assert len(document) == 120 and document[-1] == BYTES.eot
+    assert is_answer == [False] * 113 + [True] * 6 + [False]
     assert BYTES.decode(document[:-1]).endswith(QUESTION + " 50001")
     assert document[:-7] == TEXT.prompt(113, 30, "50001").tokens
 
@@ -84,6 +86,9 @@ def documents(row: list[int]) -> list[list[int]]:
     ("passkey:90-150", (90, 150), (0, 100)),
     ("passkey:200-200:0-10", (200, 200), (0, 10)),
     ("passkey:80-120:50-50", (80, 120), (50, 50)),
+    ("passkey:answers", (80, 301), (0, 100)),
+    ("passkey:90-150:answers", (90, 150), (0, 100)),
+    ("passkey:80-120:50-50:answers", (80, 120), (50, 50)),
 ])
 def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
     source = parse_passkey_source(spec, TEXT, 301)
@@ -92,8 +97,9 @@ def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
     generator = batch_generator(0, 0, 0)
     seen = []
     for _ in range(20):
-        row = passkey_row(TEXT, source, 301, generator)
-        assert len(row) == 301
+        row, is_answer = passkey_row(TEXT, source, 301, generator)
+        assert len(row) == len(is_answer) == 301
+        assert source.answers_only is spec.endswith(":answers")
         seen += documents(row)
     assert seen
     for document in seen:
@@ -116,6 +122,8 @@ def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
     ("passkey:100-302", "<= 301 \\(seq_len \\+ 1"),
     ("passkey:100-200:50-20", "0 <= LO <= HI <= 100"),
     ("passkey:100-200:0-101", "0 <= LO <= HI <= 100"),
+    ("passkey:answer", "optionally followed by :answers"),
+    ("passkey:answers:100-200", "write passkey"),
 ])
 def test_a_bad_spec_is_named(spec, message):
     with pytest.raises(SetupError, match=message):
@@ -139,8 +147,30 @@ def test_the_source_is_a_pure_function_of_seed_split_and_index():
     assert torch.equal(torch.cat(rank_rows), x)
 
 
-def test_nsa_trains_on_passkey_documents_with_doc_masking(tiny_overrides, capsys):
-    nsa.cli.main(["train", *tiny_overrides, "data=passkey:80-97", "seq_len=96", "max_steps=2",
+def test_answers_only_keeps_the_same_rows_and_only_the_answers_targets():
+    """``:answers``: the same tokens as without it; every target IGNORED but the tokens of each
+    document's answer (" " and the key after the question), a cut last document's included."""
+    def first_batch(spec):
+        return build_stream(spec, "train", tokenizer=BYTES, seq_len=300, batch_size=4).next_batch()
+
+    x, y = first_batch("passkey:80-140")
+    x_answers, y_answers = first_batch("passkey:80-140:answers")
+    assert torch.equal(x_answers, x)
+    kept = y_answers != IGNORED
+    assert torch.equal(y_answers[kept], y[kept])
+    for row_x, row_y, row_kept in zip(x, y, kept, strict=True):
+        text = BYTES.decode(torch.cat([row_x[:1], row_y]).tolist())
+        answers = [m.span(1) for m in re.finditer(re.escape(QUESTION) + r"( \d{0,5})", text)]
+        expected = torch.zeros(len(row_y), dtype=torch.bool)
+        for start, end in answers:  # text positions; target t is text position t + 1
+            expected[start - 1:end - 1] = True
+        assert torch.equal(row_kept, expected)
+        assert sum(end - start for start, end in answers) >= ANSWER_TOKENS
+
+
+@pytest.mark.parametrize("spec", ["passkey:80-97", "passkey:80-97:answers"])
+def test_nsa_trains_on_passkey_documents_with_doc_masking(spec, tiny_overrides, capsys):
+    nsa.cli.main(["train", *tiny_overrides, f"data={spec}", "seq_len=96", "max_steps=2",
                   "doc_masking=true"])
     out = capsys.readouterr().out
     assert "(nsa attention) on 1 x " in out
