@@ -6,14 +6,20 @@ printed in bytes. Run in its own process, without TRITON_INTERPRET (under the in
                                                    "num_warps": 4, "num_stages": 1}'
     python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
 
-With ``--launches`` every launch is compiled; one line per launch, then the exit status 1 if
-any failed to compile (each failure's error is printed).
+With ``--launches`` every launch is compiled; one line per launch (its stack and a digest of
+its PTX without debug line information), then the exit status 1 if any failed to compile (each
+failure's error is printed). Two such listings of one launches file, before and after a change,
+show which launches compile differently: a refactor whose listing is unchanged needs no GPU
+run to re-measure (the launches of the test suite's interpreter run:
+``TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE`` writes them).
 """
 
+import hashlib
 import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,14 +41,23 @@ def run_offline(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> int:
-    """Argument types by name (int32 where not given), constexpr values by name."""
+def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: int):
+    """The kernel compiled for sm_90. Argument types by name (int32 where not given), constexpr
+    values by name."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     source = ASTSource(fn, signature,
                        constexprs={(names.index(n),): v for n, v in constants.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> int:
+    """Stack bytes per thread of ``fn`` compiled for sm_90 (arguments as ``compile_sm90``)."""
+    return _stack(compile_sm90(fn, types, constants, num_warps, num_stages))
+
+
+def _stack(kernel) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -51,22 +66,35 @@ def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: in
     return int(usage.split("STACK:")[1].split()[0])
 
 
-def compile_launch(kernel: str, launch: dict) -> int:
-    """Stack bytes of nsa.ops.triton.``kernel`` ("module.name") compiled for ``launch``."""
+def ptx_digest(kernel) -> str:
+    """A digest of the kernel's PTX without its debug information (source lines and columns,
+    their labels and sections), which moves whenever code above a kernel moves."""
+    ptx = kernel.asm["ptx"].split(".section\t.debug")[0]
+    lines = []
+    for line in ptx.splitlines():
+        code = re.sub(r"\$L__tmp\d+:?", "", line.split("//")[0]).strip()
+        if code and not code.startswith((".loc", ".file")):
+            lines.append(code)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def compile_launch(kernel: str, launch: dict):
+    """nsa.ops.triton.``kernel`` ("module.name") compiled for ``launch``."""
     module_name, kernel_name = kernel.rsplit(".", 1)
     fn = getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"), kernel_name)
-    return stack_bytes(fn, launch["types"], launch["constants"], launch["num_warps"],
-                       launch["num_stages"])
+    return compile_sm90(fn, launch["types"], launch["constants"], launch["num_warps"],
+                        launch["num_stages"])
 
 
 if __name__ == "__main__":
     if sys.argv[1] != "--launches":
-        print(compile_launch(sys.argv[1], json.loads(sys.argv[2])))
+        print(_stack(compile_launch(sys.argv[1], json.loads(sys.argv[2]))))
         sys.exit(0)
     failed = 0
     for launch in json.loads(pathlib.Path(sys.argv[2]).read_text()):
         try:
-            print(f"{launch['kernel']}: stack {compile_launch(launch['kernel'], launch)} B")
+            compiled = compile_launch(launch["kernel"], launch)
+            print(f"{launch['kernel']}: stack {_stack(compiled)} B, ptx {ptx_digest(compiled)}")
         except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
             failed += 1
             print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")

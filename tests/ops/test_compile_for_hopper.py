@@ -7,6 +7,8 @@ the interpreter tests had passed). Here the interpreter's launches are recorded 
 types, constexpr values, warps, stages) and each distinct one is compiled offline for sm_90 in
 a process without the interpreter, with the ptxas that Triton's wheel carries
 (tests/ops/sm90_stack.py). On a CUDA machine the other tests compile every launch for real.
+
+    TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE   # write the launches
 """
 
 import inspect
@@ -173,3 +175,10 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     failures = [line for line in result.stdout.splitlines() if "FAILED" in line]
     assert result.returncode == 0, (failures, result.stdout[-4000:], result.stderr[-2000:])
     assert result.stdout.count(": stack ") == len(launches)
+
+
+if __name__ == "__main__":  # the launches, for `python -m tests.ops.sm90_stack --launches`
+    import sys
+
+    with open(sys.argv[1], "w") as f:
+        json.dump(recorded_launches(everything), f)
