@@ -18,13 +18,16 @@ def main(argv=None):
     device = data["meta"]["device"] if isinstance(data, dict) else "NVIDIA H200"
     # Refused, failed or skipped measurements have no times.
     rows = [r for r in rows if r["HQ"] == HQ and r["H"] == H and "fwd_ms" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    for ax, key, title in zip(axes, ("fwd_ms", "fwd_bwd_ms"), ("forward", "forward + backward"),
-                              strict=True):
+    # Peak memory too, where every row has it (rows of older runs may not).
+    panels = [("fwd_ms", "forward", "ms"), ("fwd_bwd_ms", "forward + backward", "ms")]
+    if all("peak_mb" in r for r in rows):
+        panels.append(("peak_mb", "peak memory, forward + backward", "MB"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharex=True)
+    for ax, (key, title, unit) in zip(axes, panels, strict=True):
         for impl in sorted({r["impl"] for r in rows}):
             points = sorted((r["T"], r[key]) for r in rows if r["impl"] == impl)
             ax.plot(*zip(*points, strict=True), marker="o", label=impl)
-        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms", title=title)
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel=unit, title=title)
         ax.set_xticks([p for p in sorted({r["T"] for r in rows})])
         ax.set_xticklabels([f"{t // 1024}k" for t in sorted({r["T"] for r in rows})])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

@@ -20,11 +20,12 @@ RESULTS = BENCH / "results"
 
 @pytest.mark.parametrize("script, results, options", [
     (plot_attention, "attention-peers-h100-2026-11-25-v10.json", ["--heads", "64,4"]),
+    (plot_attention, "attention-peers-h100-2026-11-26-v15.json", []),  # with peak memory
     (plot_decode, "decode-v2-h100-2026-11-25.json", []),
     (plot_generation, "generation-cache-append-h100-2026-11-25.json", []),
     (plot_host, "host-v11-h100-2026-11-25.json", []),
     (plot_train_step, "train-step-cuda-graph-h100-2026-11-25.json", []),
-], ids=["attention", "decode", "generation", "host", "train-step"])
+], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])
