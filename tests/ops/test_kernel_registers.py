@@ -49,9 +49,10 @@ def test_selection_kernel_spills_little_at_the_paper_shape():
 def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     """The selected forward and dq as masked causal attention (selected_masked.py) at the
     m7c-125m shape (G = 6, D = 64, l' = 64, n = 16, bf16, TMA) with the tuned launch (128
-    rows, 4 warps): they spill 520 B (forward) and 800 B (dq), and still ran faster on the
+    rows, 4 warps): they spill 520 B (forward) and 840 B (dq), and still ran faster on the
     H100 than on 8 warps, which spill nothing (0.37 against >= 0.49 ms, 0.40 against >= 0.46
-    ms: bench/NOTES.md, v14); a change that doubles the spill must show."""
+    ms: bench/NOTES.md, v14). More must show: v15's first try, which scaled do by the gate as
+    it loaded it, took the dq to 1016 B and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
     tuning = TUNING[f"masked_{kind}"]
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=tuning["rows"],
                      BLOCK_N=64, NUM_SELECTED=16, BLOCK_NSEL=16, SEL_BLOCK=64, IEEE=False,
@@ -64,4 +65,4 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
                  DQ_OUT="*bf16", scale_log2="fp32", scale="fp32")
     kernel = "_masked_fwd_kernel" if kind == "fwd" else "_masked_dq_kernel"
     assert sm90_stack(f"selected_masked.{kernel}", types, constants, tuning["num_warps"],
-                      tuning["num_stages"]) <= 1024
+                      tuning["num_stages"]) <= {"fwd": 640, "dq": 960}[kind]
