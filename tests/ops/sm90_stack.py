@@ -7,7 +7,7 @@ printed in bytes. Run in its own process, without TRITON_INTERPRET (under the in
     python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
 
 With ``--launches`` every launch is compiled; one line per launch (its stack and a digest of
-its PTX without debug line information), then the exit status 1 if any failed to compile (each
+its machine code), then the exit status 1 if any failed to compile (each
 failure's error is printed). Two such listings of one launches file, before and after a change,
 show which launches compile differently: a refactor whose listing is unchanged needs no GPU
 run to re-measure (the launches of the test suite's interpreter run:
@@ -57,23 +57,27 @@ def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: in
     return _stack(compile_sm90(fn, types, constants, num_warps, num_stages))
 
 
-def _stack(kernel) -> int:
+def _cuobjdump(kernel, option: str) -> str:
+    """What cuobjdump ``option`` prints of the kernel's cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
-    return int(usage.split("STACK:")[1].split()[0])
+        return subprocess.run([str(TOOLS / "cuobjdump"), option, str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
 
 
-def ptx_digest(kernel) -> str:
-    """A digest of the kernel's PTX without its debug information (source lines and columns,
-    their labels and sections), which moves whenever code above a kernel moves."""
-    ptx = kernel.asm["ptx"].split(".section\t.debug")[0]
+def _stack(kernel) -> int:
+    return int(_cuobjdump(kernel, "-res-usage").split("STACK:")[1].split()[0])
+
+
+def sass_digest(kernel) -> str:
+    """A digest of the kernel's machine code (SASS instructions, without their addresses and
+    encodings). The PTX is not enough: its debug line numbers move whenever code above a
+    kernel moves, and ptxas's output can move with them."""
     lines = []
-    for line in ptx.splitlines():
-        code = re.sub(r"\$L__tmp\d+:?", "", line.split("//")[0]).strip()
-        if code and not code.startswith((".loc", ".file")):
+    for line in _cuobjdump(kernel, "-sass").splitlines():
+        code = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line.split(";")[0]).strip()
+        if code and not code.startswith(("/*", "Function", ".")):
             lines.append(code)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
@@ -94,7 +98,7 @@ if __name__ == "__main__":
     for launch in json.loads(pathlib.Path(sys.argv[2]).read_text()):
         try:
             compiled = compile_launch(launch["kernel"], launch)
-            print(f"{launch['kernel']}: stack {_stack(compiled)} B, ptx {ptx_digest(compiled)}")
+            print(f"{launch['kernel']}: stack {_stack(compiled)} B, sass {sass_digest(compiled)}")
         except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
             failed += 1
             print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")
