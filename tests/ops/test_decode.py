@@ -69,14 +69,16 @@ def step(x, pos, params, window, backend):
                       backend=backend)
 
 
-def launch_shapes(monkeypatch, num_sms, block_tile=None):
+def launch_shapes(monkeypatch, num_sms, block_tile=None, merge_tile=None):
     """The launch plan as on a GPU of ``num_sms`` SMs, with selection tiles of ``block_tile``
-    blocks when given."""
+    blocks and merge steps of ``merge_tile`` partial values when given."""
     import nsa.ops.triton.decode as triton_decode
 
     monkeypatch.setattr(triton_decode, "num_sms", lambda device: num_sms)
     if block_tile is not None:
         monkeypatch.setattr(triton_decode, "BLOCK_TILE", block_tile)
+    if merge_tile is not None:
+        monkeypatch.setattr(triton_decode, "MERGE_TILE", merge_tile)
 
 
 def assert_step_equal(params, S, G, dtype, window):
@@ -109,6 +111,17 @@ def test_triton_step_block_shapes(shape, num_sms, window, G, monkeypatch):
     launch_shapes(monkeypatch, num_sms, block_tile=8 if num_sms > 1 else None)
     params, S = SHAPES[shape]
     assert_step_equal(NSAParams(**params), S, G, torch.float32, window)
+
+
+@pytest.mark.parametrize("merge_tile", [1, 2 * 16, 3 * 2 * 16], ids=lambda m: f"merge{m}")
+def test_triton_step_merges_in_steps(merge_tile, monkeypatch):
+    """The merges of the compressed splits and of the selected and window items, a few
+    partials at a time (Dv = 8 pads to 16 values a row: one, two or four partials of a head
+    per step, a short last step): the fold across steps equals the reference, with partials of
+    rows that saw no key among them (pos = 0)."""
+    launch_shapes(monkeypatch, 64, block_tile=8, merge_tile=merge_tile)
+    params, S = SHAPES["long"]
+    assert_step_equal(NSAParams(**params), S, 4, torch.float32, "ring")
 
 
 def test_triton_step_is_deterministic(monkeypatch):

@@ -29,11 +29,19 @@ training kernels (common.py, Masks): a NaN past ``pos`` is never read.
    The window does not depend on the selection: it streams from HBM while the selection
    programs, which read little, sort.
 3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program merges the candidate lists of
-   (b, h) into the selection in one top-k (the same few hundred keys in every program: cheaper
-   than another pass), reads its share of the selected blocks' tokens (laid end to end in
-   ascending order) for its GS heads and writes a softmax partial. The last program of
-   (b, h, slice) to finish (an atomic ticket, acq_rel after a CTA barrier) merges the selected
-   and the window partials in item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+   (b, h) into the selection (the same few hundred keys in every program: cheaper than another
+   pass) by ranking every key against every list (``keys_before``: comparisons side by side;
+   a bitonic top-k of 128 keys was ~1.6 µs more at B = 1, 64k), reads its share of the
+   selected blocks' tokens (laid end to end in ascending order) for its GS heads and writes a
+   softmax partial. The last program of (b, h, slice) to finish (an atomic ticket, acq_rel
+   after a CTA barrier) merges the selected and the window partials in item order and writes
+   g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+
+Every merge of partials (``_merge_partials``: the compressed splits in kernel 2, the items in
+kernel 3) loads up to MERGE_TILE partial values at once and folds them by one reduction, so
+its chain of dependent loads is ⌈partials / chunk⌉ long, not one load per partial: at B = 1
+those chains were the step's latency (64k: kernel 2 10.3 → 6.2 µs, kernel 3 17.4 → 13.0 with
+the ranking; bench/NOTES.md, decode v3).
 
 Launch shapes (``decode_plan``). Bytes per step per (b, h), bf16, D = 128 (512 B a token):
 compressed ≈ 512·pos/16 (2.1 MB at 64k), selected n·l' = 1024 tokens (0.5 MB), window 512
@@ -78,7 +86,14 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.launch import num_sms, pow2
-from nsa.ops.triton.selection import MAX_BLOCK, block_keys, key_blocks, overlap_weights
+from nsa.ops.triton.selection import (
+    MAX_BLOCK,
+    ascending_blocks,
+    block_keys,
+    key_blocks,
+    keys_before,
+    overlap_weights,
+)
 from nsa.ops.triton_support import DECODE_PDL
 
 
@@ -236,20 +251,46 @@ def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, j, pos, H
 
 
 @triton.jit
+def _merge_partials(P_M, P_L, P_ACC, rows, row_ok, count, first, last, scale_log2,
+                    DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    CHUNK: tl.constexpr, CACHE: tl.constexpr):
+    """o [rows, DV] of the softmax whose partials are items [first, last) of buffers of
+    ``count`` partials per row (0 for rows that saw no key). CHUNK partials are loaded at once
+    and folded by one reduction, chunks in item order: a chain of ⌈items / CHUNK⌉ dependent
+    loads, not one per item (each ~0.2-0.5 µs at B = 1: the merges were the step's latency)."""
+    c = exp_scale(scale_log2)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    i = tl.arange(0, CHUNK)
+    d = tl.arange(0, BLOCK_DV)
+    for start in range(first, last, CHUNK):
+        ok = row_ok[:, None] & (start + i < last)[None, :]  # [BLOCK_R, CHUNK]
+        at = rows[:, None] * count + start + i[None, :]
+        m_i = tl.load(P_M + at, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+        l_i = tl.load(P_L + at, mask=ok, other=0.0, cache_modifier=CACHE)
+        acc_i = tl.load(P_ACC + at[:, :, None] * DV + d[None, None, :],
+                        mask=ok[:, :, None] & (d < DV)[None, None, :], other=0.0,
+                        cache_modifier=CACHE)  # [BLOCK_R, CHUNK, BLOCK_DV]
+        m_new = tl.maximum(m, tl.max(m_i, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m - safe) * c)
+        beta = tl.exp2((m_i - safe[:, None]) * c)  # [BLOCK_R, CHUNK]; 0 for empty partials
+        l = l * alpha + tl.sum(l_i * beta, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(acc_i * beta[:, :, None], axis=1)
+        m = m_new
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
+
+
+@triton.jit
 def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, scale_log2,
                       DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      S1_PAD: tl.constexpr):
+                      CHUNK_S1: tl.constexpr):
     """BASE[rows] = g_cmp · o_cmp of (b, hq) rows from their S1 partials, in split order."""
-    m_max, inv_sum = _lse_parts(PART_M + rows * S1, PART_L + rows * S1, row_ok, S1, scale_log2,
-                                S1_PAD)
-    c = exp_scale(scale_log2)
-    out = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    for split in range(0, S1):
-        m = tl.load(PART_M + rows * S1 + split, mask=row_ok, other=float("-inf"))
-        part = load_tile(PART_ACC + (rows * S1 + split) * DV, row_ok, DV, BLOCK_DV)
-        out += part * tl.exp2((m - m_max) * c)[:, None]
+    o = _merge_partials(PART_M, PART_L, PART_ACC, rows, row_ok, S1, 0, S1, scale_log2, DV,
+                        BLOCK_R, BLOCK_DV, CHUNK_S1, "")
     gate = tl.load(GATES + rows * 3, mask=row_ok, other=0.0).to(tl.float32)
-    store_tile(BASE + rows * DV, out * (gate * inv_sum)[:, None], row_ok, DV, BLOCK_DV)
+    store_tile(BASE + rows * DV, o * gate[:, None], row_ok, DV, BLOCK_DV)
 
 
 @triton.jit
@@ -262,7 +303,7 @@ def _select_kernel(
     TB: tl.constexpr, NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
     NUM_LOCAL: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr, BLOCK_R: tl.constexpr,
     CHUNK: tl.constexpr, ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    MERGE_R: tl.constexpr, CHUNK_S1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Selection tiles, then per slice of GS heads: the compressed merge, the window items."""
     if PDL:
@@ -277,13 +318,14 @@ def _select_kernel(
                      S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ, TB, NSEL_PAD, SEL_BLOCK,
                      NUM_INIT, NUM_LOCAL)
     else:
-        _, _, _, hq, row_ok = _head_rows(pid_bh * NGS + (task - NS2) // (1 + P_WIN), H, G, GS,
-                                         NGS, BLOCK_R)
+        slice_id = pid_bh * NGS + (task - NS2) // (1 + P_WIN)
+        _, _, _, hq, row_ok = _head_rows(slice_id, H, G, GS, NGS, BLOCK_R)
         rows = b * H * G + hq
         item = (task - NS2) % (1 + P_WIN) - 1
         if item < 0:
-            _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1,
-                              scale_log2, DV, BLOCK_R, BLOCK_DV, S1_PAD)
+            _, _, _, hq_m, row_ok_m = _head_rows(slice_id, H, G, GS, NGS, MERGE_R)
+            _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq_m,
+                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1)
         else:  # window tokens [u0, u0 + ITEM_WIN) back from pos
             q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
             m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -309,34 +351,14 @@ def _select_kernel(
 
 
 @triton.jit
-def _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, first, last, scale_log2,
-                 DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """o [rows, DV] of the softmax whose partials are items [first, last), in item order;
-    0 for rows that saw no key. Read past L1: other programs wrote them during this kernel."""
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    d = tl.arange(0, BLOCK_DV)
-    for item in range(first, last):
-        at = rows * count + item
-        m_i = tl.load(P_M + at, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        l_i = tl.load(P_L + at, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc_i = tl.load(P_ACC + at[:, None] * DV + d[None, :],
-                        mask=row_ok[:, None] & (d < DV)[None, :], other=0.0,
-                        cache_modifier=".cg")
-        m, l, acc = _fold(m, l, acc, m_i, l_i, acc_i, scale_log2)
-    return acc / tl.where(l > 0, l, 1.0)[:, None]
-
-
-@triton.jit
 def _selected_kernel(
     Q, K, V, POS, GATES, CAND, COUNTER, BASE, P_M, P_L, P_ACC, OUT,
     H, S, NS2, P_SEL, P_WIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BJ: tl.constexpr, NS2_PAD: tl.constexpr, NSEL: tl.constexpr,
     NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
-    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ITEM_SEL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ITEM_SEL: tl.constexpr,
+    MERGE_R: tl.constexpr, CHUNK_ITEMS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
@@ -346,20 +368,23 @@ def _selected_kernel(
     rows = b * H * G + hq
     pos = tl.load(POS + b)
     current = pos // SEL_BLOCK
-    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current,
-    # ascending (as the spec's index: the same selection is summed in the same order, however
-    # its blocks ranked); slots past the chosen hold MAX_BLOCK.
+    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current
+    # (each key's rank among all of them, one list at a time), ascending (as the spec's index:
+    # the same selection is summed in the same order, however its blocks ranked); slots past
+    # the chosen hold MAX_BLOCK.
     lists = tl.arange(0, NS2_PAD)
     keys = tl.load(CAND + ((b * H + h) * NS2 + lists[:, None]) * NSEL_PAD
                    + tl.arange(0, NSEL_PAD)[None, :],
                    mask=(lists <= current // BJ)[:, None], other=-1)
-    if NS2_PAD == 1:
-        best = tl.reshape(keys, [NSEL_PAD])  # a list is sorted already
-    else:
-        best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
+    keys = tl.reshape(keys, [NS2_PAD * NSEL_PAD])
+    rank = tl.zeros([NS2_PAD * NSEL_PAD], tl.int32)
     slot = tl.arange(0, NSEL_PAD)
-    chosen = (best >= 0) & (slot < NSEL)
-    blocks = tl.sort(key_blocks(best, chosen))
+    for c in tl.static_range(NS2_PAD):  # the lists again, one at a time
+        rank += keys_before(keys, tl.arange(0, NS2_PAD * NSEL_PAD), tl.load(
+            CAND + ((b * H + h) * NS2 + c) * NSEL_PAD + slot, mask=c <= current // BJ,
+            other=-1), c * NSEL_PAD + slot)
+    chosen = (rank < NSEL) & (keys >= 0)
+    blocks = ascending_blocks(key_blocks(keys, chosen), rank, NSEL_PAD)
     # Tokens [u0, u0 + ITEM_SEL) of the selected blocks laid end to end (slot u // l').
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -385,18 +410,21 @@ def _selected_kernel(
     # stores before the ticket (release); the ticket orders the merge's reads after (acquire).
     tl.debug_barrier()
     ticket = tl.atomic_add(COUNTER + pid, 1, sem="acq_rel", scope="gpu")
-    if ticket == P_SEL - 1:
-        o_slc = _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, 0, P_SEL, scale_log2, DV,
-                             BLOCK_R, BLOCK_DV)
-        o_win = _merge_items(P_M, P_L, P_ACC, rows, row_ok, count, P_SEL, count, scale_log2,
-                             DV, BLOCK_R, BLOCK_DV)
-        g_slc = tl.load(GATES + rows * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
-        g_win = tl.load(GATES + rows * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+    if ticket == P_SEL - 1:  # rows of the slice unpadded (MERGE_R): no products here
+        _, _, _, hq_m, ok_m = _head_rows(pid, H, G, GS, NGS, MERGE_R)
+        rows_m = b * H * G + hq_m
+        # Read past L1: the other programs wrote these partials during this kernel.
+        o_slc = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, 0, P_SEL, scale_log2, DV,
+                                MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+        o_win = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, P_SEL, count, scale_log2,
+                                DV, MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+        g_slc = tl.load(GATES + rows_m * 3 + 1, mask=ok_m, other=0.0).to(tl.float32)
+        g_win = tl.load(GATES + rows_m * 3 + 2, mask=ok_m, other=0.0).to(tl.float32)
         d = tl.arange(0, BLOCK_DV)
-        base = tl.load(BASE + rows[:, None] * DV + d[None, :],
-                       mask=row_ok[:, None] & (d < DV)[None, :], other=0.0)
+        base = tl.load(BASE + rows_m[:, None] * DV + d[None, :],
+                       mask=ok_m[:, None] & (d < DV)[None, :], other=0.0)
         out = base + g_slc[:, None] * o_slc + g_win[:, None] * o_win
-        store_tile(OUT + rows * DV, out, row_ok, DV, BLOCK_DV)
+        store_tile(OUT + rows_m * DV, out, ok_m, DV, BLOCK_DV)
 
 
 # Launch plan and wrapper --------------------------------------------------------------------
@@ -407,6 +435,7 @@ MAX_SPLITS = 64  # compressed programs per (b, h): a merge reads S1 partials of 
 MAX_HEAD_SLICES = 4  # G cut into at most this many slices (each re-reads the same keys)
 BLOCK_TILE = 128  # blocks one selection program scores
 TILE = 64  # tokens per step of the selected and window loops
+MERGE_TILE = 8192  # most float32 partial values one merge step loads at once (64 a thread)
 
 
 @dataclass(frozen=True)
@@ -495,7 +524,13 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     launch = dict(launch_pdl=True) if pdl else {}
     shared = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                   IEEE=k.dtype == torch.float32, PDL=pdl)
-    rows = dict(GS=GS, NGS=NGS, BLOCK_R=pow2(GS), CHUNK=TILE)
+    merge_rows = pow2(GS, 1)  # a merge has no products: its rows need no padding to 16
+    rows = dict(GS=GS, NGS=NGS, BLOCK_R=pow2(GS), CHUNK=TILE, MERGE_R=merge_rows)
+
+    def merge_chunk(partials: int) -> int:  # partials per merge step, a power of two
+        fits = max(1, MERGE_TILE // (merge_rows * pow2(Dv)))
+        return min(pow2(partials, 1), 1 << (fits.bit_length() - 1))
+
     scale_log2 = scale * LOG2E
     _compressed_kernel[(B * H, S1)](
         q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref,
@@ -509,11 +544,12 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
         H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, window_tokens, scale_log2,
         BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, TB=TB, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,
-        ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring, **rows, **shared, **launch)
+        ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring, CHUNK_S1=merge_chunk(S1),
+        **rows, **shared, **launch)
     _selected_kernel[(B * H * NGS, P_SEL)](
         q, k, v, pos, gates, cand, counter, base, p_m, p_l, p_acc, out,
         H, S, NS2, P_SEL, P_WIN, scale_log2,
         BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), NSEL=params.num_selected, NSEL_PAD=nsel_pad,
-        SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens, **rows, **shared,
-        **launch)
+        SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens,
+        CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), **rows, **shared, **launch)
     return out
