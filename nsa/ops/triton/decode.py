@@ -29,19 +29,16 @@ training kernels (common.py, Masks): a NaN past ``pos`` is never read.
    The window does not depend on the selection: it streams from HBM while the selection
    programs, which read little, sort.
 3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program merges the candidate lists of
-   (b, h) into the selection (the same few hundred keys in every program: cheaper than another
-   pass) by ranking every key against every list (``keys_before``: comparisons side by side;
-   a bitonic top-k of 128 keys was ~1.6 µs more at B = 1, 64k), reads its share of the
-   selected blocks' tokens (laid end to end in ascending order) for its GS heads and writes a
-   softmax partial. The last program of (b, h, slice) to finish (an atomic ticket, acq_rel
-   after a CTA barrier) merges the selected and the window partials in item order and writes
-   g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+   (b, h) into the selection in one top-k (the same few hundred keys in every program: cheaper
+   than another pass), reads its share of the selected blocks' tokens (laid end to end in
+   ascending order) for its GS heads and writes a softmax partial. The last program of
+   (b, h, slice) to finish (an atomic ticket, acq_rel after a CTA barrier) merges the selected
+   and the window partials in item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
 
 Every merge of partials (``_merge_partials``: the compressed splits in kernel 2, the items in
 kernel 3) loads up to MERGE_TILE partial values at once and folds them by one reduction, so
 its chain of dependent loads is ⌈partials / chunk⌉ long, not one load per partial: at B = 1
-those chains were the step's latency (64k: kernel 2 10.3 → 6.2 µs, kernel 3 17.4 → 13.0 with
-the ranking; bench/NOTES.md, decode v3).
+those chains were much of the step's latency (bench/NOTES.md, decode v3).
 
 Launch shapes (``decode_plan``). Bytes per step per (b, h), bf16, D = 128 (512 B a token):
 compressed ≈ 512·pos/16 (2.1 MB at 64k), selected n·l' = 1024 tokens (0.5 MB), window 512
@@ -86,14 +83,7 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.launch import num_sms, pow2
-from nsa.ops.triton.selection import (
-    MAX_BLOCK,
-    ascending_blocks,
-    block_keys,
-    key_blocks,
-    keys_before,
-    overlap_weights,
-)
+from nsa.ops.triton.selection import MAX_BLOCK, block_keys, key_blocks, overlap_weights
 from nsa.ops.triton_support import DECODE_PDL
 
 
@@ -368,23 +358,20 @@ def _selected_kernel(
     rows = b * H * G + hq
     pos = tl.load(POS + b)
     current = pos // SEL_BLOCK
-    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current
-    # (each key's rank among all of them, one list at a time), ascending (as the spec's index:
-    # the same selection is summed in the same order, however its blocks ranked); slots past
-    # the chosen hold MAX_BLOCK.
+    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current,
+    # ascending (as the spec's index: the same selection is summed in the same order, however
+    # its blocks ranked); slots past the chosen hold MAX_BLOCK.
     lists = tl.arange(0, NS2_PAD)
     keys = tl.load(CAND + ((b * H + h) * NS2 + lists[:, None]) * NSEL_PAD
                    + tl.arange(0, NSEL_PAD)[None, :],
                    mask=(lists <= current // BJ)[:, None], other=-1)
-    keys = tl.reshape(keys, [NS2_PAD * NSEL_PAD])
-    rank = tl.zeros([NS2_PAD * NSEL_PAD], tl.int32)
+    if NS2_PAD == 1:
+        best = tl.reshape(keys, [NSEL_PAD])  # a list is sorted already
+    else:
+        best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
     slot = tl.arange(0, NSEL_PAD)
-    for c in tl.static_range(NS2_PAD):  # the lists again, one at a time
-        rank += keys_before(keys, tl.arange(0, NS2_PAD * NSEL_PAD), tl.load(
-            CAND + ((b * H + h) * NS2 + c) * NSEL_PAD + slot, mask=c <= current // BJ,
-            other=-1), c * NSEL_PAD + slot)
-    chosen = (rank < NSEL) & (keys >= 0)
-    blocks = ascending_blocks(key_blocks(keys, chosen), rank, NSEL_PAD)
+    chosen = (best >= 0) & (slot < NSEL)
+    blocks = tl.sort(key_blocks(best, chosen))
     # Tokens [u0, u0 + ITEM_SEL) of the selected blocks laid end to end (slot u // l').
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -435,7 +422,7 @@ MAX_SPLITS = 64  # compressed programs per (b, h): a merge reads S1 partials of 
 MAX_HEAD_SLICES = 4  # G cut into at most this many slices (each re-reads the same keys)
 BLOCK_TILE = 128  # blocks one selection program scores
 TILE = 64  # tokens per step of the selected and window loops
-MERGE_TILE = 8192  # most float32 partial values one merge step loads at once (64 a thread)
+MERGE_TILE = 2048  # most float32 partial values one merge step loads (16 a thread)
 
 
 @dataclass(frozen=True)

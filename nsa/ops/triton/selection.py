@@ -53,28 +53,6 @@ def block_keys(score, block, candidate, current, NUM_INIT: tl.constexpr,
 
 
 @triton.jit
-def keys_before(keys, i, other, j):
-    """[N] how many of the keys ``other`` (at indices ``j``) come before each of ``keys`` (at
-    indices ``i``) in descending order, equal keys (the -1 of non-candidates) in index order.
-    Summed over every chunk of a list, it is each key's rank in the list (0: the largest), a
-    permutation, so the top k are the keys of rank < k: comparisons side by side rather than a
-    bitonic top-k's log² N dependent exchange stages (the decode step's top-16 of 128 keys:
-    ~1.6 µs less at B = 1, 64k; bench/NOTES.md, decode v3)."""
-    before = (other[None, :] > keys[:, None]) | ((other[None, :] == keys[:, None])
-                                                 & (j[None, :] < i[:, None]))
-    return tl.sum(before.to(tl.int32), axis=1)
-
-
-@triton.jit
-def ascending_blocks(blocks, rank, NSEL_PAD: tl.constexpr):
-    """[NSEL_PAD]: the ``blocks`` of rank < NSEL_PAD (MAX_BLOCK where not chosen), ascending."""
-    slot = tl.arange(0, NSEL_PAD)
-    top = tl.sum(tl.where(rank[None, :] == slot[:, None], blocks[None, :], 0), axis=1)
-    place = keys_before(-top.to(tl.int64), slot, -top.to(tl.int64), slot)
-    return tl.sum(tl.where(place[None, :] == slot[:, None], top[None, :], 0), axis=1)
-
-
-@triton.jit
 def key_blocks(keys, chosen):
     """The blocks of top-n keys where ``chosen``, MAX_BLOCK (sorting last) elsewhere."""
     return tl.where(chosen, (keys & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
