@@ -27,7 +27,8 @@ def main(argv=None):
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("NSA vs dense decode attention, one H200, bf16, HQ=64, H=4, D=128")
+    fig.suptitle(f"NSA vs dense decode attention, {data.get('device', 'one H200')}, bf16, "
+                 "HQ=64, H=4, D=128")
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
 
