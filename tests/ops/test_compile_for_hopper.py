@@ -13,6 +13,7 @@ a process without the interpreter, with the ptxas that Triton's wheel carries
 
 import inspect
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -138,6 +139,17 @@ def decode_step(dtype, ring):
                **(windows if ring else {}))
 
 
+def decode_step_in_chunks(dtype):
+    """The decode step with a large GPU's launch plan (two compressed splits) and merge steps of
+    one partial, so that the merges' loops run more than one step (a loop that reshapes a
+    variable fails to compile for the GPU only)."""
+    import nsa.ops.triton.decode as triton_decode
+
+    with mock.patch.object(triton_decode, "MERGE_TILE", 16), \
+            mock.patch.object(triton_decode, "num_sms", lambda device: 64):
+        decode_step(dtype, ring=True)
+
+
 def append_and_rope(dtype, sets):
     from nsa.layers.rope import rope_angles, rope_frequencies
     from nsa.ops.triton.cache_append import append_kv_triton
@@ -159,6 +171,7 @@ def everything():
         attention_forward_backward(dtype, 40, window=9)
         decode_step(dtype, ring=True)
         decode_step(dtype, ring=False)
+        decode_step_in_chunks(dtype)
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
     attention_forward_backward(torch.float32, 300, window=130)
