@@ -59,6 +59,11 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _bit_and(a, b):
+    return a & b
+
+
+@triton.jit
 def _tile_rows(T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
     """This program's rows: P = BLOCK_R // G positions from t_first x the G query heads of KV
     head h -> (b, h, query heads hq, row mask, t (int64), t_first, t_last)."""
@@ -87,13 +92,22 @@ def _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
 
 
 @triton.jit
-def _tile_selection(bits, row_ok, start, SEL_BLOCK: tl.constexpr):
+def _tile_masks(bits, row_ok):
+    """(blocks every valid row selected, blocks some valid row selected) as int64 masks, once
+    per program: the key loop then tests bits of two scalars, with no reduction over the rows
+    per key tile."""
+    every = tl.reduce(tl.where(row_ok, bits, -1), 0, _bit_and)
+    some = tl.reduce(tl.where(row_ok, bits, 0), 0, _bit_or)
+    return every, some
+
+
+@triton.jit
+def _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK: tl.constexpr):
     """(which rows selected the block of the key tile at ``start``, whether every valid row
     did, whether any did)."""
-    chosen = ((bits >> (start // SEL_BLOCK)) & 1) != 0
-    every = tl.min(tl.where(row_ok & ~chosen, 0, 1), axis=0) > 0
-    some = tl.max(tl.where(row_ok & chosen, 1, 0), axis=0) > 0
-    return chosen, every, some
+    block = start // SEL_BLOCK
+    chosen = ((bits >> block) & 1) != 0
+    return chosen, ((every_bits >> block) & 1) != 0, ((some_bits >> block) & 1) != 0
 
 
 @triton.jit
@@ -112,13 +126,14 @@ def _masked_fwd_kernel(
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
                            NUM_SELECTED, BLOCK_NSEL)
+    every_bits, some_bits = _tile_masks(bits, row_ok)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     # Tiles before the first position: causal for every row, masked by selection only.
     full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_hi, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
+        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
         if every:
             k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
                                   stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
@@ -131,7 +146,7 @@ def _masked_fwd_kernel(
             m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE, True)
     # Tiles on the diagonal: masked by position as well.
     for start in range(full_hi, t_last + 1, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
+        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
         if some:
             k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
                                   stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
@@ -166,10 +181,11 @@ def _masked_dq_kernel(
     delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
     bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
                            NUM_SELECTED, BLOCK_NSEL)
+    every_bits, some_bits = _tile_masks(bits, row_ok)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
     full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full_hi, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
+        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
         if every:
             k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
                                   stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
@@ -181,7 +197,7 @@ def _masked_dq_kernel(
                                   BLOCK_N, TMA)
             acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE, True)
     for start in range(full_hi, t_last + 1, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, row_ok, start, SEL_BLOCK)
+        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
         if some:
             k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
                                   stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
