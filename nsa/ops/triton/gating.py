@@ -1,8 +1,9 @@
-"""The gated combination of the three branches, forward and backward, one pass each: the
-Triton kernels, then their launch wrappers.
+"""The gated combination of the three branches: the forward's sum, which the window branch's
+forward kernel stores at the end of each tile (no pass of its own), and the backward's kernel,
+then its launch wrapper.
 
-Rows are the flattened (batch, position, query head) triples; every tensor is contiguous.
-Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward, for each branch i:
+Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward (rows are the flattened
+(batch, position, query head) triples; every tensor is contiguous), for each branch i:
 dg_i = do · o_i; delta_i, the same sum in float32; and g_i in float32, contiguous per branch.
 The branch's output gradient g_i do is not formed: its backward kernels read do, compute
 p (dp - delta_i) with dp = do · v, which cancels where it should, and multiply the results by
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from nsa.ops.triton.launch import pow2
 
-GATE_ROWS = 16  # rows per program of the gating kernels
+GATE_ROWS = 16  # rows per program of the gate backward
 
 
 @triton.jit
@@ -32,17 +33,24 @@ def _rows(N, DV: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _gated_sum_kernel(O_CMP, O_SLC, O_WIN, GATES, OUT, N, DV: tl.constexpr,
-                      BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    r, row_ok, offsets, mask = _rows(N, DV, BLOCK_D, ROWS)
-    gates = GATES + r.to(tl.int64) * 3
-    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)
-    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)
-    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)
-    out = (g_cmp[:, None] * tl.load(O_CMP + offsets, mask=mask, other=0.0)
-           + g_slc[:, None] * tl.load(O_SLC + offsets, mask=mask, other=0.0)
-           + g_win[:, None] * tl.load(O_WIN + offsets, mask=mask, other=0.0))
-    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+def store_gated_sum(win_rows, cmp_rows, slc_rows, gate_rows, out_rows, row_ok,
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows, at the end of the
+    window branch's forward (the last branch), which has just stored o_win: the three branch
+    outputs (float32) are read at their rows' starts, CHUNK columns at a time, so that the
+    epilogue holds no whole tile in registers (one did: 1.6 → 4.6 KB of stack per thread at
+    128 rows of 128, offline sm_90 compile); the gates at ``gate_rows`` (stride 1)."""
+    tl.debug_barrier()  # this program's stores of o_win, visible to all its threads
+    g_cmp = tl.load(gate_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gate_rows + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gate_rows + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    for d0 in tl.static_range(0, BLOCK_DV, CHUNK):
+        cols = (d0 + tl.arange(0, CHUNK))[None, :]
+        mask = row_ok[:, None] & (cols < DV)
+        out = (g_cmp * tl.load(cmp_rows[:, None] + cols, mask=mask, other=0.0)
+               + g_slc * tl.load(slc_rows[:, None] + cols, mask=mask, other=0.0)
+               + g_win * tl.load(win_rows[:, None] + cols, mask=mask, other=0.0))
+        tl.store(out_rows[:, None] + cols, out.to(out_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,15 +80,6 @@ def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GA
 
 
 # Launch wrappers -------------------------------------------------------------------------
-
-
-def gated_sum(o_cmp, o_slc, o_win, gates, dtype):
-    """out [B, T, HQ, Dv] in ``dtype`` = Σ_i gates[..., i] o_i (branch outputs in float32)."""
-    out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
-    N, Dv = out.numel() // out.shape[-1], out.shape[-1]
-    _gated_sum_kernel[(triton.cdiv(N, GATE_ROWS),)](
-        o_cmp, o_slc, o_win, gates, out, N, DV=Dv, BLOCK_D=pow2(Dv), ROWS=GATE_ROWS)
-    return out
 
 
 def gate_backward(grad_out, gates, o_cmp, o_slc, o_win):
