@@ -101,13 +101,14 @@ def _fold(m, l, acc, m_i, l_i, acc_i, scale_log2):
 
 
 @triton.jit
-def _lse_parts(M_ROWS, L_ROWS, row_ok, count, scale_log2, PAD: tl.constexpr):
+def _lse_parts(M_ROWS, L_ROWS, row_ok, count, scale_log2, PAD: tl.constexpr,
+               CACHE: tl.constexpr):
     """(max, 1 / sum) of the softmax whose ``count`` partials start at M_ROWS / L_ROWS [rows];
     1 / sum is 0 for rows that saw no key."""
     s = tl.arange(0, PAD)
     ok = row_ok[:, None] & (s < count)[None, :]
-    m = tl.load(M_ROWS[:, None] + s[None, :], mask=ok, other=float("-inf"))
-    l = tl.load(L_ROWS[:, None] + s[None, :], mask=ok, other=0.0)
+    m = tl.load(M_ROWS[:, None] + s[None, :], mask=ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(L_ROWS[:, None] + s[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=1)
     safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.sum(l * tl.exp2((m - safe[:, None]) * exp_scale(scale_log2)), axis=1)
@@ -220,7 +221,7 @@ def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUN
     row_ok = g < G
     rows = b * H * G + h * G + g
     m_max, inv_sum = _lse_parts(PART_M + rows * S1, PART_L + rows * S1, row_ok, S1, scale_log2,
-                                S1_PAD)
+                                S1_PAD, "")
     current = pos // SEL_BLOCK
     block = j * BJ + tl.arange(0, BJ)
     candidate = block <= current
@@ -265,42 +266,35 @@ def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUN
 @triton.jit
 def _merge_partials(P_M, P_L, P_ACC, rows, row_ok, count, first, last, scale_log2,
                     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, CACHE: tl.constexpr):
+                    CHUNK: tl.constexpr, ALL: tl.constexpr, CACHE: tl.constexpr):
     """o [rows, DV] of the softmax whose partials are items [first, last) of buffers of
-    ``count`` partials per row (0 for rows that saw no key). CHUNK partials are loaded at once
-    and folded by one reduction, chunks in item order: a chain of ⌈items / CHUNK⌉ dependent
-    loads, not one per item (each ~0.2-0.5 µs at B = 1: the merges were the step's latency)."""
+    ``count`` partials per row (0 for rows that saw no key): the maxima and sums of all of
+    them first (one load of at most ALL each), then their accumulators CHUNK at a time, each
+    weighted by one reduction, chunks in item order."""
+    m_max, inv_sum = _lse_parts(P_M + rows * count + first, P_L + rows * count + first, row_ok,
+                                last - first, scale_log2, ALL, CACHE)
     c = exp_scale(scale_log2)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     i = tl.arange(0, CHUNK)
     d = tl.arange(0, BLOCK_DV)
     for start in range(first, last, CHUNK):
-        ok = row_ok[:, None] & (start + i < last)[None, :]  # [BLOCK_R, CHUNK]
-        at = rows[:, None] * count + start + i[None, :]
-        m_i = tl.load(P_M + at, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-        l_i = tl.load(P_L + at, mask=ok, other=0.0, cache_modifier=CACHE)
-        acc_i = tl.load(P_ACC + at[:, :, None] * DV + d[None, None, :],
-                        mask=ok[:, :, None] & (d < DV)[None, None, :], other=0.0,
+        in_chunk = row_ok[:, None] & (start + i < last)[None, :]  # [BLOCK_R, CHUNK]
+        at_chunk = rows[:, None] * count + start + i[None, :]
+        m_i = tl.load(P_M + at_chunk, mask=in_chunk, other=float("-inf"), cache_modifier=CACHE)
+        acc_i = tl.load(P_ACC + at_chunk[:, :, None] * DV + d[None, None, :],
+                        mask=in_chunk[:, :, None] & (d < DV)[None, None, :], other=0.0,
                         cache_modifier=CACHE)  # [BLOCK_R, CHUNK, BLOCK_DV]
-        m_new = tl.maximum(m, tl.max(m_i, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - safe) * c)
-        beta = tl.exp2((m_i - safe[:, None]) * c)  # [BLOCK_R, CHUNK]; 0 for empty partials
-        l = l * alpha + tl.sum(l_i * beta, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(acc_i * beta[:, :, None], axis=1)
-        m = m_new
-    return acc / tl.where(l > 0, l, 1.0)[:, None]
+        acc += tl.sum(acc_i * tl.exp2((m_i - m_max[:, None]) * c)[:, :, None], axis=1)
+    return acc * inv_sum[:, None]
 
 
 @triton.jit
 def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, scale_log2,
                       DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      CHUNK_S1: tl.constexpr):
+                      CHUNK_S1: tl.constexpr, S1_PAD: tl.constexpr):
     """BASE[rows] = g_cmp · o_cmp of (b, hq) rows from their S1 partials, in split order."""
     o = _merge_partials(PART_M, PART_L, PART_ACC, rows, row_ok, S1, 0, S1, scale_log2, DV,
-                        BLOCK_R, BLOCK_DV, CHUNK_S1, "")
+                        BLOCK_R, BLOCK_DV, CHUNK_S1, S1_PAD, "")
     gate = tl.load(GATES + rows * 3, mask=row_ok, other=0.0).to(tl.float32)
     store_tile(BASE + rows * DV, o * gate[:, None], row_ok, DV, BLOCK_DV)
 
@@ -338,7 +332,7 @@ def _select_kernel(
         if item < 0:
             _, _, _, hq_m, row_ok_m = _head_rows(slice_id, H, G, GS, NGS, MERGE_R)
             _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq_m,
-                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1)
+                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1, S1_PAD)
         else:  # window tokens [u0, u0 + ITEM_WIN) back from pos
             q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
             m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -371,7 +365,8 @@ def _selected_kernel(
     BLOCK_DV: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
     SEL_BLOCK: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ITEM_SEL: tl.constexpr,
-    MERGE_R: tl.constexpr, CHUNK_ITEMS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    MERGE_R: tl.constexpr, CHUNK_ITEMS: tl.constexpr, ITEMS_PAD: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
@@ -414,9 +409,9 @@ def _selected_kernel(
         rows_m = b * H * G + hq_m
         # Read past L1: the other programs wrote these partials during this kernel.
         o_slc = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, 0, P_SEL, scale_log2, DV,
-                                MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+                                MERGE_R, BLOCK_DV, CHUNK_ITEMS, ITEMS_PAD, ".cg")
         o_win = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, P_SEL, count, scale_log2,
-                                DV, MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+                                DV, MERGE_R, BLOCK_DV, CHUNK_ITEMS, ITEMS_PAD, ".cg")
         g_slc = tl.load(GATES + rows_m * 3 + 1, mask=ok_m, other=0.0).to(tl.float32)
         g_win = tl.load(GATES + rows_m * 3 + 2, mask=ok_m, other=0.0).to(tl.float32)
         d = tl.arange(0, BLOCK_DV)
@@ -553,5 +548,6 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
         H, S, P_SEL, P_WIN, scale_log2,
         NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens,
-        CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), **rows, **shared, **launch)
+        CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), ITEMS_PAD=pow2(max(P_SEL, P_WIN), 1), **rows,
+        **shared, **launch)
     return out
