@@ -22,18 +22,20 @@ training kernels (common.py, Masks): a NaN past ``pos`` is never read.
      to its head's softmax: exp2(REF - max) / sum, from the S1 partials), the forced blocks,
      and the tile's top NSEL_PAD as int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)``
      (larger score first, ties to the lower index; the prefill's keys: ``block_keys`` and
-     ``overlap_weights`` of selection.py) into ``CAND``; tile 0 also zeroes the
-     (b, h) tickets of kernel 3;
+     ``overlap_weights`` of selection.py) into ``CAND``; the last tile of (b, h) to finish
+     merges them into the selection (``BLOCKS``, ascending); tile 0 also zeroes the (b, h)
+     tickets of kernel 3 (kernel 1 zeroes the selection tiles' own);
    * per slice of GS heads, the compressed merge: g_cmp·o_cmp from the S1 partials (``BASE``);
    * per slice, P_WIN window items: a range of the window's tokens, a softmax partial.
    The window does not depend on the selection: it streams from HBM while the selection
    programs, which read little, sort.
-3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program merges the candidate lists of
-   (b, h) into the selection in one top-k (the same few hundred keys in every program: cheaper
-   than another pass), reads its share of the selected blocks' tokens (laid end to end in
-   ascending order) for its GS heads and writes a softmax partial. The last program of
-   (b, h, slice) to finish (an atomic ticket, acq_rel after a CTA barrier) merges the selected
-   and the window partials in item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program reads the selection kernel 2's
+   last selection tile of (b, h) wrote (that tile, found by an atomic ticket, merges every
+   tile's candidate lists in one top-k: once per (b, h) rather than in every program here),
+   reads its share of the selected blocks' tokens (laid end to end in ascending order) for its
+   GS heads and writes a softmax partial. The last program of (b, h, slice) to finish (an
+   atomic ticket, acq_rel after a CTA barrier) merges the selected and the window partials in
+   item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
 
 Every merge of partials (``_merge_partials``: the compressed splits in kernel 2, the items in
 kernel 3) loads up to MERGE_TILE partial values at once and folds them by one reduction, so
@@ -99,13 +101,14 @@ def _fold(m, l, acc, m_i, l_i, acc_i, scale_log2):
 
 
 @triton.jit
-def _lse_parts(M_ROWS, L_ROWS, row_ok, count, scale_log2, PAD: tl.constexpr):
+def _lse_parts(M_ROWS, L_ROWS, row_ok, count, scale_log2, PAD: tl.constexpr,
+               CACHE: tl.constexpr):
     """(max, 1 / sum) of the softmax whose ``count`` partials start at M_ROWS / L_ROWS [rows];
     1 / sum is 0 for rows that saw no key."""
     s = tl.arange(0, PAD)
     ok = row_ok[:, None] & (s < count)[None, :]
-    m = tl.load(M_ROWS[:, None] + s[None, :], mask=ok, other=float("-inf"))
-    l = tl.load(L_ROWS[:, None] + s[None, :], mask=ok, other=0.0)
+    m = tl.load(M_ROWS[:, None] + s[None, :], mask=ok, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(L_ROWS[:, None] + s[None, :], mask=ok, other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=1)
     safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.sum(l * tl.exp2((m - safe[:, None]) * exp_scale(scale_log2)), axis=1)
@@ -137,7 +140,7 @@ def _store_partial(P_M, P_L, P_ACC, rows, count, item, row_ok, m, l, acc, DV: tl
 
 @triton.jit
 def _compressed_kernel(
-    Q, KC, VC, POS, PART_M, PART_L, PART_ACC, BLK, REF,
+    Q, KC, VC, POS, PART_M, PART_L, PART_ACC, BLK, REF, SEL_TICKET,
     H, C, NB, NT, S1, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TB: tl.constexpr, TB_PAD: tl.constexpr,
@@ -149,6 +152,8 @@ def _compressed_kernel(
         gdc_wait()
     b, h, _, hq, row_ok = _head_rows(tl.program_id(0), H, G, G, 1, BLOCK_G)
     split = tl.program_id(1)
+    if split == 0:  # kernel 2's selection tickets for (b, h) start at 0
+        tl.store(SEL_TICKET + tl.program_id(0), 0)
     rows = b * H * G + hq  # [BLOCK_G] row of (b, hq) in the [B, HQ, ...] buffers
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     pos = tl.load(POS + b)
@@ -204,17 +209,19 @@ def _compressed_kernel(
 
 
 @triton.jit
-def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, j, pos, H, NB, NT, S1,
-                 NS2,
-                 NGS, scale_log2, G: tl.constexpr, BLOCK_G: tl.constexpr, S1_PAD: tl.constexpr,
-                 BJ: tl.constexpr, TB: tl.constexpr, NSEL_PAD: tl.constexpr,
-                 SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr):
-    """Candidate keys of blocks [j·BJ, (j+1)·BJ): the local top NSEL_PAD, descending."""
+def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUNTER, b, h, j,
+                 pos, H, NB, NT, S1, NS2, NGS, scale_log2, G: tl.constexpr,
+                 BLOCK_G: tl.constexpr, S1_PAD: tl.constexpr, BJ: tl.constexpr,
+                 NS2_PAD: tl.constexpr, TB: tl.constexpr, NSEL: tl.constexpr,
+                 NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
+                 NUM_LOCAL: tl.constexpr):
+    """Candidate keys of blocks [j·BJ, (j+1)·BJ): the local top NSEL_PAD, descending. The last
+    tile of (b, h) to finish merges every tile's candidates into the selection (BLOCKS)."""
     g = tl.arange(0, BLOCK_G)
     row_ok = g < G
     rows = b * H * G + h * G + g
     m_max, inv_sum = _lse_parts(PART_M + rows * S1, PART_L + rows * S1, row_ok, S1, scale_log2,
-                                S1_PAD)
+                                S1_PAD, "")
     current = pos // SEL_BLOCK
     block = j * BJ + tl.arange(0, BJ)
     candidate = block <= current
@@ -232,7 +239,23 @@ def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, j, pos, H
     tl.debug_barrier()
     score = tl.load(at, mask=candidate, other=0.0)
     top = tl.topk(block_keys(score, block, candidate, current, NUM_INIT, NUM_LOCAL), NSEL_PAD)
-    tl.store(CAND + ((b * H + h) * NS2 + j) * NSEL_PAD + tl.arange(0, NSEL_PAD), top)
+    slot = tl.arange(0, NSEL_PAD)
+    tl.store(CAND + ((b * H + h) * NS2 + j) * NSEL_PAD + slot, top)
+    # The last tile of (b, h) to finish (an atomic ticket, acq_rel after a CTA barrier) takes
+    # the top NSEL of the candidate lists, ascending (as the spec's index: the same selection
+    # is summed in the same order, however its blocks ranked), MAX_BLOCK past the chosen.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(SEL_TICKET + b * H + h, 1, sem="acq_rel", scope="gpu")
+    if ticket == NS2 - 1:
+        lists = tl.arange(0, NS2_PAD)
+        keys = tl.load(CAND + ((b * H + h) * NS2 + lists[:, None]) * NSEL_PAD + slot[None, :],
+                       mask=(lists < NS2)[:, None], other=-1, cache_modifier=".cg")
+        if NS2_PAD == 1:
+            best = tl.reshape(keys, [NSEL_PAD])  # a list is sorted already
+        else:
+            best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
+        chosen = (best >= 0) & (slot < NSEL)
+        tl.store(BLOCKS + (b * H + h) * NSEL_PAD + slot, tl.sort(key_blocks(best, chosen)))
     if j == 0:  # kernel 3's tickets for (b, h) start at 0
         z = tl.arange(0, 16)
         for z0 in range(0, NGS, 16):
@@ -243,54 +266,48 @@ def _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, j, pos, H
 @triton.jit
 def _merge_partials(P_M, P_L, P_ACC, rows, row_ok, count, first, last, scale_log2,
                     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    CHUNK: tl.constexpr, CACHE: tl.constexpr):
+                    CHUNK: tl.constexpr, ALL: tl.constexpr, CACHE: tl.constexpr):
     """o [rows, DV] of the softmax whose partials are items [first, last) of buffers of
-    ``count`` partials per row (0 for rows that saw no key). CHUNK partials are loaded at once
-    and folded by one reduction, chunks in item order: a chain of ⌈items / CHUNK⌉ dependent
-    loads, not one per item (each ~0.2-0.5 µs at B = 1: the merges were the step's latency)."""
+    ``count`` partials per row (0 for rows that saw no key): the maxima and sums of all of
+    them first (one load of at most ALL each), then their accumulators CHUNK at a time, each
+    weighted by one reduction, chunks in item order."""
+    m_max, inv_sum = _lse_parts(P_M + rows * count + first, P_L + rows * count + first, row_ok,
+                                last - first, scale_log2, ALL, CACHE)
     c = exp_scale(scale_log2)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     i = tl.arange(0, CHUNK)
     d = tl.arange(0, BLOCK_DV)
     for start in range(first, last, CHUNK):
-        ok = row_ok[:, None] & (start + i < last)[None, :]  # [BLOCK_R, CHUNK]
-        at = rows[:, None] * count + start + i[None, :]
-        m_i = tl.load(P_M + at, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-        l_i = tl.load(P_L + at, mask=ok, other=0.0, cache_modifier=CACHE)
-        acc_i = tl.load(P_ACC + at[:, :, None] * DV + d[None, None, :],
-                        mask=ok[:, :, None] & (d < DV)[None, None, :], other=0.0,
+        in_chunk = row_ok[:, None] & (start + i < last)[None, :]  # [BLOCK_R, CHUNK]
+        at_chunk = rows[:, None] * count + start + i[None, :]
+        m_i = tl.load(P_M + at_chunk, mask=in_chunk, other=float("-inf"), cache_modifier=CACHE)
+        acc_i = tl.load(P_ACC + at_chunk[:, :, None] * DV + d[None, None, :],
+                        mask=in_chunk[:, :, None] & (d < DV)[None, None, :], other=0.0,
                         cache_modifier=CACHE)  # [BLOCK_R, CHUNK, BLOCK_DV]
-        m_new = tl.maximum(m, tl.max(m_i, axis=1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - safe) * c)
-        beta = tl.exp2((m_i - safe[:, None]) * c)  # [BLOCK_R, CHUNK]; 0 for empty partials
-        l = l * alpha + tl.sum(l_i * beta, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(acc_i * beta[:, :, None], axis=1)
-        m = m_new
-    return acc / tl.where(l > 0, l, 1.0)[:, None]
+        acc += tl.sum(acc_i * tl.exp2((m_i - m_max[:, None]) * c)[:, :, None], axis=1)
+    return acc * inv_sum[:, None]
 
 
 @triton.jit
 def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, scale_log2,
                       DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      CHUNK_S1: tl.constexpr):
+                      CHUNK_S1: tl.constexpr, S1_PAD: tl.constexpr):
     """BASE[rows] = g_cmp · o_cmp of (b, hq) rows from their S1 partials, in split order."""
     o = _merge_partials(PART_M, PART_L, PART_ACC, rows, row_ok, S1, 0, S1, scale_log2, DV,
-                        BLOCK_R, BLOCK_DV, CHUNK_S1, "")
+                        BLOCK_R, BLOCK_DV, CHUNK_S1, S1_PAD, "")
     gate = tl.load(GATES + rows * 3, mask=row_ok, other=0.0).to(tl.float32)
     store_tile(BASE + rows * DV, o * gate[:, None], row_ok, DV, BLOCK_DV)
 
 
 @triton.jit
 def _select_kernel(
-    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, COUNTER, BASE,
-    P_M, P_L, P_ACC,
+    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS,
+    COUNTER, BASE, P_M, P_L, P_ACC,
     H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, NWIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, S1_PAD: tl.constexpr, BJ: tl.constexpr,
-    TB: tl.constexpr, NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
+    NS2_PAD: tl.constexpr, TB: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
     NUM_LOCAL: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr, BLOCK_R: tl.constexpr,
     CHUNK: tl.constexpr, ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr,
     MERGE_R: tl.constexpr, CHUNK_S1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
@@ -304,9 +321,9 @@ def _select_kernel(
     h = pid_bh % H
     pos = tl.load(POS + b)
     if task < NS2:
-        _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, COUNTER, b, h, task, pos, H, NB, NT,
-                     S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ, TB, NSEL_PAD, SEL_BLOCK,
-                     NUM_INIT, NUM_LOCAL)
+        _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUNTER, b, h,
+                     task, pos, H, NB, NT, S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ,
+                     NS2_PAD, TB, NSEL, NSEL_PAD, SEL_BLOCK, NUM_INIT, NUM_LOCAL)
     else:
         slice_id = pid_bh * NGS + (task - NS2) // (1 + P_WIN)
         _, _, _, hq, row_ok = _head_rows(slice_id, H, G, GS, NGS, BLOCK_R)
@@ -315,7 +332,7 @@ def _select_kernel(
         if item < 0:
             _, _, _, hq_m, row_ok_m = _head_rows(slice_id, H, G, GS, NGS, MERGE_R)
             _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq_m,
-                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1)
+                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1, S1_PAD)
         else:  # window tokens [u0, u0 + ITEM_WIN) back from pos
             q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
             m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -342,13 +359,14 @@ def _select_kernel(
 
 @triton.jit
 def _selected_kernel(
-    Q, K, V, POS, GATES, CAND, COUNTER, BASE, P_M, P_L, P_ACC, OUT,
-    H, S, NS2, P_SEL, P_WIN, scale_log2,
+    Q, K, V, POS, GATES, BLOCKS, COUNTER, BASE, P_M, P_L, P_ACC, OUT,
+    H, S, P_SEL, P_WIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BJ: tl.constexpr, NS2_PAD: tl.constexpr, NSEL: tl.constexpr,
-    NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
+    SEL_BLOCK: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, ITEM_SEL: tl.constexpr,
-    MERGE_R: tl.constexpr, CHUNK_ITEMS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    MERGE_R: tl.constexpr, CHUNK_ITEMS: tl.constexpr, ITEMS_PAD: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
@@ -358,20 +376,9 @@ def _selected_kernel(
     rows = b * H * G + hq
     pos = tl.load(POS + b)
     current = pos // SEL_BLOCK
-    # The selection: the top NSEL of the candidate lists of the tiles with blocks <= current,
-    # ascending (as the spec's index: the same selection is summed in the same order, however
-    # its blocks ranked); slots past the chosen hold MAX_BLOCK.
-    lists = tl.arange(0, NS2_PAD)
-    keys = tl.load(CAND + ((b * H + h) * NS2 + lists[:, None]) * NSEL_PAD
-                   + tl.arange(0, NSEL_PAD)[None, :],
-                   mask=(lists <= current // BJ)[:, None], other=-1)
-    if NS2_PAD == 1:
-        best = tl.reshape(keys, [NSEL_PAD])  # a list is sorted already
-    else:
-        best = tl.topk(tl.reshape(keys, [NS2_PAD * NSEL_PAD]), NSEL_PAD)
+    # The selection kernel 2 wrote: ascending blocks, MAX_BLOCK past the chosen.
     slot = tl.arange(0, NSEL_PAD)
-    chosen = (best >= 0) & (slot < NSEL)
-    blocks = tl.sort(key_blocks(best, chosen))
+    blocks = tl.load(BLOCKS + (b * H + h) * NSEL_PAD + slot)
     # Tokens [u0, u0 + ITEM_SEL) of the selected blocks laid end to end (slot u // l').
     q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -402,9 +409,9 @@ def _selected_kernel(
         rows_m = b * H * G + hq_m
         # Read past L1: the other programs wrote these partials during this kernel.
         o_slc = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, 0, P_SEL, scale_log2, DV,
-                                MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+                                MERGE_R, BLOCK_DV, CHUNK_ITEMS, ITEMS_PAD, ".cg")
         o_win = _merge_partials(P_M, P_L, P_ACC, rows_m, ok_m, count, P_SEL, count, scale_log2,
-                                DV, MERGE_R, BLOCK_DV, CHUNK_ITEMS, ".cg")
+                                DV, MERGE_R, BLOCK_DV, CHUNK_ITEMS, ITEMS_PAD, ".cg")
         g_slc = tl.load(GATES + rows_m * 3 + 1, mask=ok_m, other=0.0).to(tl.float32)
         g_win = tl.load(GATES + rows_m * 3 + 2, mask=ok_m, other=0.0).to(tl.float32)
         d = tl.arange(0, BLOCK_DV)
@@ -502,6 +509,8 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     blk, ref = torch.empty(B, HQ, NB, **f32), torch.empty(B, HQ, NT, **f32)
     score = torch.empty(B, H, NB, **f32)
     cand = torch.empty(B, H, NS2, nsel_pad, dtype=torch.int64, device=q.device)
+    sel_ticket = torch.empty(B, H, dtype=torch.int32, device=q.device)
+    blocks = torch.empty(B, H, nsel_pad, dtype=torch.int32, device=q.device)
     counter = torch.empty(B, H, NGS, dtype=torch.int32, device=q.device)
     base = torch.empty(B, HQ, Dv, **f32)
     p_m, p_l = torch.empty(B, HQ, P_SEL + P_WIN, **f32), torch.empty(B, HQ, P_SEL + P_WIN, **f32)
@@ -520,23 +529,25 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
 
     scale_log2 = scale * LOG2E
     _compressed_kernel[(B * H, S1)](
-        q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref,
+        q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref, sel_ticket,
         H, C, NB, NT, S1, scale_log2,
         BLOCK_G=pow2(G), TB=TB, TB_PAD=pow2(TB), TOK=TB * R, TOK_PAD=pow2(TB * R), PRE=K - 1,
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
         SEL_BLOCK=params.sel_block, **shared, **launch)
     _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
-        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, score, cand, counter,
-        base, p_m, p_l, p_acc,
+        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, score, cand,
+        sel_ticket, blocks, counter, base, p_m, p_l, p_acc,
         H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, window_tokens, scale_log2,
-        BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, TB=TB, NSEL_PAD=nsel_pad,
+        BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), TB=TB,
+        NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,
         ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring, CHUNK_S1=merge_chunk(S1),
         **rows, **shared, **launch)
     _selected_kernel[(B * H * NGS, P_SEL)](
-        q, k, v, pos, gates, cand, counter, base, p_m, p_l, p_acc, out,
-        H, S, NS2, P_SEL, P_WIN, scale_log2,
-        BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), NSEL=params.num_selected, NSEL_PAD=nsel_pad,
+        q, k, v, pos, gates, blocks, counter, base, p_m, p_l, p_acc, out,
+        H, S, P_SEL, P_WIN, scale_log2,
+        NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens,
-        CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), **rows, **shared, **launch)
+        CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), ITEMS_PAD=pow2(max(P_SEL, P_WIN), 1), **rows,
+        **shared, **launch)
     return out
