@@ -38,9 +38,11 @@ training kernels (common.py, Masks): a NaN past ``pos`` is never read.
    item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
 
 Every merge of partials (``_merge_partials``: the compressed splits in kernel 2, the items in
-kernel 3) loads up to MERGE_TILE partial values at once and folds them by one reduction, so
-its chain of dependent loads is ⌈partials / chunk⌉ long, not one load per partial: at B = 1
-those chains were much of the step's latency (bench/NOTES.md, decode v3).
+kernel 3) loads the maxima and sums of all its partials at once, then their accumulators up to
+MERGE_TILE values at a time, each chunk weighted and summed by one reduction with no running
+rescale, so its chain of dependent loads is 1 + ⌈partials / chunk⌉ long, not one load per
+partial: at B = 1 those chains were much of the step's latency (bench/NOTES.md, decode v3
+and v4).
 
 Launch shapes (``decode_plan``). Bytes per step per (b, h), bf16, D = 128 (512 B a token):
 compressed ≈ 512·pos/16 (2.1 MB at 64k), selected n·l' = 1024 tokens (0.5 MB), window 512
