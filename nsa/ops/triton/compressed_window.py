@@ -50,7 +50,6 @@ from nsa.ops.triton.launch import (
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
-GATE_CHUNK = tl.constexpr(32)  # columns per step of the window forward's gated sum (gating.py)
 MODE_CMP = 0
 MODE_WIN = 1
 
@@ -148,7 +147,7 @@ def _branch_fwd_kernel(
     if GATED:
         gate_rows = GATES + ((b * T + t64) * H * G + hq) * 3
         store_gated_sum(O + o_rows, O_CMP + o_rows, O_SLC + o_rows, gate_rows, OUT + o_rows,
-                        row_ok, DV, BLOCK_DV, GATE_CHUNK)
+                        row_ok, DV, BLOCK_DV)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton.language as tl
 from nsa.ops.triton.launch import pow2
 
 GATE_ROWS = 16  # rows per program of the gate backward
+GATE_CHUNK = tl.constexpr(32)  # columns per step of the forward's gated sum (store_gated_sum)
 
 
 @triton.jit
@@ -34,18 +35,18 @@ def _rows(N, DV: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def store_gated_sum(win_rows, cmp_rows, slc_rows, gate_rows, out_rows, row_ok,
-                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr):
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows, at the end of the
     window branch's forward (the last branch), which has just stored o_win: the three branch
-    outputs (float32) are read at their rows' starts, CHUNK columns at a time, so that the
+    outputs (float32) are read at their rows' starts, GATE_CHUNK columns at a time, so that the
     epilogue holds no whole tile in registers (one did: 1.6 → 4.6 KB of stack per thread at
     128 rows of 128, offline sm_90 compile); the gates at ``gate_rows`` (stride 1)."""
     tl.debug_barrier()  # this program's stores of o_win, visible to all its threads
     g_cmp = tl.load(gate_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     g_slc = tl.load(gate_rows + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     g_win = tl.load(gate_rows + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    for d0 in tl.static_range(0, BLOCK_DV, CHUNK):
-        cols = (d0 + tl.arange(0, CHUNK))[None, :]
+    for d0 in tl.static_range(0, BLOCK_DV, GATE_CHUNK):
+        cols = (d0 + tl.arange(0, GATE_CHUNK))[None, :]
         mask = row_ok[:, None] & (cols < DV)
         out = (g_cmp * tl.load(cmp_rows[:, None] + cols, mask=mask, other=0.0)
                + g_slc * tl.load(slc_rows[:, None] + cols, mask=mask, other=0.0)
