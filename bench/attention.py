@@ -323,6 +323,7 @@ def main(argv=None):
                 with open(args.json, "w") as f:
                     json.dump({"meta": meta, "rows": results}, f, indent=1)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention.json"), "w") as f:
             json.dump([r for r in results if "fwd_ms" in r], f, indent=1)
     print(f"\n# {meta['device']}, bf16, B=1, paper parameters; {time.monotonic() - start:.0f} s\n")

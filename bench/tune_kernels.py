@@ -20,6 +20,7 @@ from triton.testing import do_bench
 import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.gating import GatedSum
 from nsa.ops.triton.launch import TUNING, BranchGrad
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
 from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
@@ -40,6 +41,8 @@ def stages(B, T, HQ, H, D):
     idx = select(q, kc, lse_cmp, layout, PAPER, scale)
     o_slc, lse_slc = position_forward(q, k, v, idx, layout, PAPER, scale)
     o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
+    # The op's selected forward, last, also writes the gated sum of the three branches.
+    gated = GatedSum(o_cmp, o_win, make(B, T, HQ, 3), torch.empty_like(q))
     do = make(B, T, HQ, D)  # the op's output gradient, as the backward kernels read it
     dq = torch.zeros(B, T, HQ, D, device="cuda")
     g_cmp = g_slc = g_win = BranchGrad.ungated(do)
@@ -56,9 +59,10 @@ def stages(B, T, HQ, H, D):
             ("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
-            ("slc", lambda: position_forward(q, k, v, idx, layout, PAPER, scale))],
+            ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],
         "masked_fwd": [
-            ("slc", lambda: masked_forward(q, k, v, idx, PAPER, scale))] if masked else [],
+            ("slc+sum", lambda: masked_forward(q, k, v, idx, PAPER, scale, gated))]
+        if masked else [],
         "dense_dq": [("cmp+dkdv", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP)),
                      ("win+dkdv", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
         "dense_dkdv": [],  # timed inside dense_dq's entries

@@ -2,8 +2,8 @@
 with torch.library (forward, backward, selection) with fake kernels, and differentiated by an
 autograd.Function that calls the backward op.
 
-Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> selected
-attention -> window attention, whose kernel also writes the gated sum of the three. Each branch
+Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> window
+attention -> selected attention, whose kernel also writes the gated sum of the three. Each branch
 output is kept in float32 for the backward, which runs one dq and one dk/dv kernel per branch
 (deterministic: no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
 backward's delta = do · o then carries the output's rounding, and where dp - delta cancels the
@@ -18,7 +18,7 @@ import torch
 
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
-from nsa.ops.triton.gating import gate_backward
+from nsa.ops.triton.gating import GatedSum, gate_backward
 from nsa.ops.triton.launch import BranchGrad, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selection import select
@@ -32,11 +32,12 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scal
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
     idx = select(q, k_cmp, lse_cmp, tables, params, scale)
-    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale)
-    # The window branch, last, also writes the gated sum of the three.
+    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale)
+    # The selected branch, last, also writes the gated sum of the three: its programs end at
+    # different times, so the sum's memory traffic overlaps other programs' work.
     out = torch.empty(o_cmp.shape, dtype=q.dtype, device=q.device)
-    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale,
-                                    gated=(o_cmp, o_slc, gates, out))
+    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale,
+                                      gated=GatedSum(o_cmp, o_win, gates, out))
     return out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win
 
 

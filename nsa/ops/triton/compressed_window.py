@@ -36,7 +36,6 @@ from nsa.ops.triton.common import (
     store_rows,
     store_tile,
 )
-from nsa.ops.triton.gating import store_gated_sum
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
@@ -113,18 +112,16 @@ def _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh
 
 @triton.jit
 def _branch_fwd_kernel(
-    Q, K, V, KD, VD, O, LSE, O_CMP, O_SLC, GATES, OUT, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, O, LSE, tok_pos, tok_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    """O, LSE = this branch's output (float32) and log-sum-exp; with GATED (the window branch,
-    the last), also OUT = the gated sum of O_CMP, O_SLC and this tile (gating.py). O, O_CMP,
-    O_SLC and OUT are [B, T, HQ, DV] with O's strides; GATES [B, T, HQ, 3], contiguous."""
+    """O, LSE = this branch's output (float32) and log-sum-exp."""
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
@@ -141,13 +138,9 @@ def _branch_fwd_kernel(
                               stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
                               BLOCK_N, TMA)
         m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
-    o_rows = b * stride_ob + t64 * stride_ot + hq * stride_oh
-    store_rows(O + o_rows, LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok,
-               scale_log2, DV, BLOCK_DV)
-    if GATED:
-        gate_rows = GATES + ((b * T + t64) * H * G + hq) * 3
-        store_gated_sum(O + o_rows, O_CMP + o_rows, O_SLC + o_rows, gate_rows, OUT + o_rows,
-                        row_ok, DV, BLOCK_DV)
+    store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
+               LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
+               BLOCK_DV)
 
 
 @triton.jit
@@ -321,26 +314,22 @@ def _query_descriptors(q, do, G: int, rows: int):
     return descriptor_pair(q, do, [1, rows // G, G])
 
 
-def branch_forward(q, k, v, tables, mode, params, scale, gated=None):
-    """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2).
-    With ``gated`` = (o_cmp, o_slc, gates, out) (the window branch, the last), the kernel also
-    writes out = the gated sum of the three branches (gating.py)."""
+def branch_forward(q, k, v, tables, mode, params, scale):
+    """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    o_cmp, o_slc, gates, out = (o, o, o, o) if gated is None else gated
     R, launch = launch_shape("dense_fwd", G, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of BLOCK_N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
-        q, k, v, kd, vd, o, lse, o_cmp, o_slc, gates, out, tables.tok_pos, tables.tok_cmp_start,
+        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
         MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma,
-        GATED=gated is not None, **launch,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
     )
     return o, lse
 

@@ -1,5 +1,5 @@
-"""The gated combination of the three branches: the forward's sum, which the window branch's
-forward kernel stores at the end of each tile (no pass of its own), and the backward's kernel,
+"""The gated combination of the three branches: the forward's sum, which the selected branch's
+forward kernels store at the end of each tile (no pass of its own), and the backward's kernel,
 then its launch wrapper.
 
 Forward: out = g_cmp o_cmp + g_slc o_slc + g_win o_win. Backward (rows are the flattened
@@ -13,6 +13,8 @@ to the inputs' dtype).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ import triton.language as tl
 from nsa.ops.triton.launch import pow2
 
 GATE_ROWS = 16  # rows per program of the gate backward
-GATE_CHUNK = tl.constexpr(32)  # columns per step of the forward's gated sum (store_gated_sum)
+GATE_CHUNK = tl.constexpr(16)  # columns per step of the gated sum: 32 spill 1.2 KB (masked, m7c)
 
 
 @triton.jit
@@ -34,24 +36,27 @@ def _rows(N, DV: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def store_gated_sum(win_rows, cmp_rows, slc_rows, gate_rows, out_rows, row_ok,
+def store_gated_sum(O_CMP, O_SLC, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows, at the end of the
-    window branch's forward (the last branch), which has just stored o_win: the three branch
-    outputs (float32) are read at their rows' starts, GATE_CHUNK columns at a time, so that the
-    epilogue holds no whole tile in registers (one did: 1.6 → 4.6 KB of stack per thread at
-    128 rows of 128, offline sm_90 compile); the gates at ``gate_rows`` (stride 1)."""
-    tl.debug_barrier()  # this program's stores of o_win, visible to all its threads
-    g_cmp = tl.load(gate_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_slc = tl.load(gate_rows + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_win = tl.load(gate_rows + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows, at the end of a
+    selected forward kernel (the last branch), which has just stored its o_slc. O_CMP, O_SLC,
+    O_WIN (float32) and OUT share one layout: ``o_rows`` are the rows' offsets into it; the
+    gates of row r are at GATES + 3 ``gate_rows[r]``. The outputs are read back GATE_CHUNK
+    columns at a time, so that the epilogue holds no whole tile in registers (one did: 1.6 →
+    4.6 KB of stack per thread at 128 rows of 128, offline sm_90 compile, bench/NOTES.md v16)."""
+    tl.debug_barrier()  # this program's stores of o_slc, visible to all its threads
+    gates = GATES + gate_rows * 3
+    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    rows = o_rows[:, None]
     for d0 in tl.static_range(0, BLOCK_DV, GATE_CHUNK):
         cols = (d0 + tl.arange(0, GATE_CHUNK))[None, :]
         mask = row_ok[:, None] & (cols < DV)
-        out = (g_cmp * tl.load(cmp_rows[:, None] + cols, mask=mask, other=0.0)
-               + g_slc * tl.load(slc_rows[:, None] + cols, mask=mask, other=0.0)
-               + g_win * tl.load(win_rows[:, None] + cols, mask=mask, other=0.0))
-        tl.store(out_rows[:, None] + cols, out.to(out_rows.dtype.element_ty), mask=mask)
+        out = (g_cmp * tl.load(O_CMP + rows + cols, mask=mask, other=0.0)
+               + g_slc * tl.load(O_SLC + rows + cols, mask=mask, other=0.0)
+               + g_win * tl.load(O_WIN + rows + cols, mask=mask, other=0.0))
+        tl.store(OUT + rows + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -81,6 +86,24 @@ def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GA
 
 
 # Launch wrappers -------------------------------------------------------------------------
+
+
+class GatedSum(NamedTuple):
+    """What a selected forward launch needs to also write out = Σ g_i o_i: the compressed and
+    window branches' float32 outputs [B, T, HQ, Dv], the gates [B, T, HQ, 3] and ``out``
+    [B, T, HQ, Dv] in the inputs' dtype, all contiguous."""
+
+    o_cmp: torch.Tensor
+    o_win: torch.Tensor
+    gates: torch.Tensor
+    out: torch.Tensor
+
+
+def gated_sum_args(gated: GatedSum | None, o_slc: torch.Tensor) -> dict:
+    """The gated-sum arguments of a selected forward kernel (``o_slc`` stands in for every
+    tensor when ``gated`` is None: GATED off, nothing read or written)."""
+    o_cmp, o_win, gates, out = (o_slc,) * 4 if gated is None else gated
+    return dict(O_CMP=o_cmp, O_WIN=o_win, GATES=gates, OUT=out, GATED=gated is not None)
 
 
 def gate_backward(grad_out, gates, o_cmp, o_slc, o_win):

@@ -41,6 +41,7 @@ from nsa.ops.triton.common import (
     split_tiles,
     store_rows,
 )
+from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_gated_sum
 from nsa.ops.triton.launch import (
     TUNING,
     BranchGrad,
@@ -110,11 +111,15 @@ def _selected_fwd_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    H, scale_log2,
+    T, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
     SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    GATED: tl.constexpr,
 ):
+    """O, LSE = the selected branch's output (float32) and log-sum-exp of position t's G
+    heads; with GATED (the last branch), also OUT = the gated sum of the three branches
+    (gating.py; O_CMP, O_WIN and OUT have O's layout)."""
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
         NUM_SELECTED, SEL_BLOCK)
@@ -135,9 +140,12 @@ def _selected_fwd_kernel(
                                  BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
     qk = masked_products(q, k, k_ok[None, :], IEEE)
     m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
-    store_rows(O + b * stride_ob + t * stride_ot + hq * stride_oh,
-               LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
-               BLOCK_DV)
+    o_rows = b * stride_ob + t * stride_ot + hq * stride_oh
+    store_rows(O + o_rows, LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok,
+               scale_log2, DV, BLOCK_DV)
+    if GATED:
+        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t) * H * G + hq, row_ok,
+                        DV, BLOCK_DV)
 
 
 @triton.jit
@@ -370,15 +378,16 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
                 num_stages=stages)
 
 
-def selected_forward(q, k, v, idx, tables, params, scale):
+def selected_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = None):
     """Attention over each position's selected blocks -> (o, lse2): masked causal attention
-    where ``masked_causal_selection`` says so (selected_masked.py), else per position."""
+    where ``masked_causal_selection`` says so (selected_masked.py), else per position. With
+    ``gated`` (the branch runs last), the kernel also writes gated.out = Σ g_i o_i."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        return masked_forward(q, k, v, idx, params, scale)
-    return position_forward(q, k, v, idx, tables, params, scale)
+        return masked_forward(q, k, v, idx, params, scale, gated)
+    return position_forward(q, k, v, idx, tables, params, scale, gated)
 
 
-def position_forward(q, k, v, idx, tables, params, scale):
+def position_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = None):
     """The selected forward with one program per (position, KV head) -> (o, lse2)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
@@ -387,7 +396,7 @@ def position_forward(q, k, v, idx, tables, params, scale):
     _selected_fwd_kernel[(T, B * H)](
         q, k, v, kd, vd, idx, o, lse, tables.tok_pos,
         *strides(q), *strides(k), *strides(v), *strides(idx), *strides(o),
-        *lse.stride()[:2], H, scale * LOG2E, TMA=tma,
+        *lse.stride()[:2], T, H, scale * LOG2E, TMA=tma, **gated_sum_args(gated, o),
         **_selected_launch("fwd", q, k, v, params),
     )
     return o, lse

@@ -32,6 +32,7 @@ from nsa.ops.triton.common import (
     load_tile,
     store_rows,
 )
+from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_gated_sum
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
@@ -116,12 +117,15 @@ def _masked_fwd_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    T, H, scale_log2,
+    T, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
 ):
+    """O, LSE = the selected branch's output (float32) and log-sum-exp of this tile's rows;
+    with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
+    O_CMP, O_WIN and OUT have O's layout)."""
     b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
@@ -154,9 +158,12 @@ def _masked_fwd_kernel(
             s = start + tl.arange(0, BLOCK_N)
             valid = chosen[:, None] & (s[None, :] <= t64[:, None])
             m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
-    store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
-               LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
-               BLOCK_DV)
+    o_rows = b * stride_ob + t64 * stride_ot + hq * stride_oh
+    store_rows(O + o_rows, LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok,
+               scale_log2, DV, BLOCK_DV)
+    if GATED:
+        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t64) * H * G + hq, row_ok,
+                        DV, BLOCK_DV)
 
 
 @triton.jit
@@ -226,15 +233,18 @@ def _launch(kind: str, q, k, v, idx, params: NSAParams):
     return (triton.cdiv(T, R // G), B * H), meta, kd, vd
 
 
-def masked_forward(q, k, v, idx, params: NSAParams, scale: float):
-    """Selected attention of fixed-length batches as masked causal attention -> (o, lse2)."""
+def masked_forward(q, k, v, idx, params: NSAParams, scale: float,
+                   gated: GatedSum | None = None):
+    """Selected attention of fixed-length batches as masked causal attention -> (o, lse2);
+    with ``gated``, the kernel also writes gated.out = Σ g_i o_i."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     grid, meta, kd, vd = _launch("masked_fwd", q, k, v, idx, params)
     _masked_fwd_kernel[grid](
         q, k, v, kd, vd, idx, o, lse, *strides(q), *strides(k), *strides(v), *strides(idx),
-        *strides(o), *lse.stride()[:2], T, H, scale * LOG2E, **meta,
+        *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
+        **gated_sum_args(gated, o), **meta,
     )
     return o, lse
 
