@@ -19,6 +19,13 @@ Writes OUT/quality.json (settings, validation curves, final losses, passkey cell
 device), OUT/quality.png (needs matplotlib) and each run's directory OUT/<variant>/ (metrics.jsonl,
 the final checkpoint; replaced on every call).
 
+A curriculum trains each variant further from its run of an earlier call: ``--init-from DIR``
+(that call's OUT) starts variant V from DIR/V's weights (``init_from=``) with a fresh optimizer,
+schedule and data position, e.g. at seq 1024, then 2048:
+
+    python bench/quality.py --seq 1024 ... --out /tmp/q1024
+    python bench/quality.py --seq 2048 ... --init-from /tmp/q1024 --out /tmp/q2048
+
 Variants too long for one sitting (a GPU call) run apart with ``--variants`` and the same other
 arguments; ``--merge`` then joins their quality.json files, refusing any whose settings differ:
 
@@ -48,7 +55,7 @@ from nsa.eval.passkey import (
     passkey_table,
 )
 from nsa.train import build_config, train
-from nsa.train.checkpoint import atomic_write, load_model
+from nsa.train.checkpoint import atomic_write, checkpoint_dirs, load_model
 from nsa.train.distributed import resolve_device
 from nsa.train.errors import SetupError
 from nsa.train.metrics import METRICS, read_metrics
@@ -89,6 +96,17 @@ def corpus_overrides(corpus: Path, out: Path, doc_chars: int, seed: int) -> list
     path = out / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))
     return [f"data={path}", f"val_docs={len(documents) // 10}"]
+
+
+def init_overrides(init_from: Path | None, variant: str) -> list[str]:
+    """The ``init_from=`` override that starts ``variant`` from its run in ``init_from`` (an
+    earlier call's OUT), if given; ValueError when that run holds no checkpoint."""
+    if init_from is None:
+        return []
+    if not checkpoint_dirs(init_from / variant):
+        raise ValueError(f"--init-from {init_from}: no checkpoint of variant {variant} in "
+                         f"{init_from / variant}")
+    return [f"init_from={init_from / variant}"]
 
 
 def validation_curve(run_dir: Path, tokens_per_step: int) -> list[dict]:
@@ -137,6 +155,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--init-from", type=Path, metavar="DIR",
+                        help="an earlier call's --out: each variant starts from its run there, "
+                             "DIR/<variant> (init_from=)")
     parser.add_argument("--doc-chars", type=int, default=2000,
                         help="the least characters per document cut from a .txt corpus")
     parser.add_argument("--passkey-lengths", help="default: --seq")
@@ -180,6 +201,7 @@ def main(argv=None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         common += corpus_overrides(args.corpus, args.out, args.doc_chars, args.seed)
         configs = {name: build_config(args.preset, [*common, *VARIANTS[name], *args.overrides,
+                                                    *init_overrides(args.init_from, name),
                                                     f"run_dir={args.out / name}"])
                    for name in variants}
         lengths = [int(n) for n in (args.passkey_lengths or str(seq)).split(",")]
@@ -193,7 +215,7 @@ def main(argv=None) -> None:
     for name, config in configs.items():
         print(f"== {name}: {max_steps} steps of {tokens_per_step:,} tokens", flush=True)
         train(config, overwrite=True)
-        _, model = load_model(config.train.run_dir)
+        _, model, _ = load_model(config.train.run_dir)
         cells = passkey_accuracy(model.to(device), tokenizer, lengths, depths,
                                  args.passkey_trials, args.seed, device=device,
                                  use_autocast=config.train.autocast)
@@ -204,9 +226,11 @@ def main(argv=None) -> None:
                          "passkey": [cell.to_dict() for cell in cells],
                          "device": device_name(device)}
     title = (f"{args.preset}, seq {seq}, {max_steps * tokens_per_step:,} tokens, "
-             f"{args.corpus.name}{', doc masking' if args.doc_masking else ''}")
-    settings = {k: v for k, v in vars(args).items() if k not in ("variants", "out", "merge")}
-    summary = {"title": title, "settings": {**settings, "corpus": str(args.corpus)},
+             f"{args.corpus.name}{', doc masking' if args.doc_masking else ''}"
+             f"{'' if args.init_from is None else f', from {args.init_from}'}")
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                if k not in ("variants", "out", "merge")}
+    summary = {"title": title, "settings": settings,
                "tokens_per_step": tokens_per_step, "max_steps": max_steps, "runs": results}
     report(summary, args.out)
 

@@ -198,7 +198,7 @@ def run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             raise ValueError("--prompt must not be empty")
         text = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
         device = resolve_device(args.device)
-        config, model = load_model(args.model)
+        config, model, _ = load_model(args.model)
         if text is None:
             text = config.train.sample_prompt
         if not text:
@@ -293,7 +293,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if not args.model.exists():
             raise ValueError(f"--model {args.model}: no such file or directory")
         device = resolve_device(args.device)
-        config, model = load_model(args.model)
+        config, model, _ = load_model(args.model)
         check_attention_backend(config.model, device)
         t = config.train
         tokenizer = get_tokenizer(t.tokenizer)

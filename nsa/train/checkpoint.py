@@ -139,12 +139,14 @@ _SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or unin
 
 
 @contextmanager
-def dcp_single_process_intended():
-    """Around a DCP save or load: under torchrun DCP runs over the process group, unchanged;
-    without one a single process is this code's intent (a plain ``python`` run, an export), so
-    DCP's warning that it assumes so, and only that warning, is not shown."""
+def dcp_single_process_intended(no_dist: bool = False):
+    """Around a DCP save or load: under torchrun DCP runs over the process group, unchanged,
+    unless the call passes ``no_dist=True`` (this process alone); with that, or without a
+    process group, a single process is this code's intent (a plain ``python`` run, an export,
+    each rank reading ``init_from``), so DCP's warning that it assumes so, and only that
+    warning, is not shown."""
     with warnings.catch_warnings():
-        if not (dist.is_available() and dist.is_initialized()):
+        if no_dist or not (dist.is_available() and dist.is_initialized()):
             warnings.filterwarnings("ignore", _SINGLE_PROCESS_WARNING, UserWarning)
         yield
 
@@ -227,10 +229,11 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """The weights of a checkpoint directory into a plain (unwrapped) model, one process."""
+    """The weights of a checkpoint directory into a plain (unwrapped) model, in this process
+    alone (no collective, also under torchrun)."""
     to_load = {"model": model.state_dict()}
-    with dcp_single_process_intended():
-        dcp.load(to_load, checkpoint_id=path)
+    with dcp_single_process_intended(no_dist=True):
+        dcp.load(to_load, checkpoint_id=path, no_dist=True)
     model.load_state_dict(to_load["model"])
 
 
@@ -347,10 +350,11 @@ def load_exported(path: Path) -> tuple[RunConfig, dict, int]:
                              f"({error!r})") from None
 
 
-def load_model(path: Path):
-    """(config, model on the CPU) from a run directory's newest checkpoint, an exported file or
-    a Hugging Face directory (``nsa export --hf``, read with the ``hf`` extra). A bad file
-    raises :class:`ModelFileError`, a directory without a checkpoint :class:`RunDirError`."""
+def load_model(path: Path) -> tuple[RunConfig, nn.Module, int | None]:
+    """(config, model on the CPU, step) from a run directory's newest checkpoint, one checkpoint
+    directory, an exported file or a Hugging Face directory (``nsa export --hf``, read with the
+    ``hf`` extra; it records no step: None). A bad file or checkpoint raises
+    :class:`ModelFileError`, a directory without a checkpoint :class:`RunDirError`."""
     from nsa.models import LanguageModel
 
     path = Path(path)
@@ -362,17 +366,58 @@ def load_model(path: Path):
         except ImportError as error:
             raise ModelFileError(f"{path} is a Hugging Face directory: reading it needs the hf "
                                  f"extra (pip install 'nsa[hf]'; {error})") from None
-        return load_hf_dir(path)
+        return *load_hf_dir(path), None
     if path.is_file():
-        config, weights, _ = load_exported(path)
+        config, weights, step = load_exported(path)
         model = LanguageModel(config.model)
         try:
             model.load_state_dict(weights)
         except RuntimeError as error:
             raise ModelFileError(f"{path}: its weights do not fit its config ({error})") from None
-        return config, model
-    config, model, _ = model_from_checkpoint(latest_checkpoint(path))
-    return config, model
+        return config, model, step
+    if (path / TRAINER_STATE).is_file():
+        try:
+            return model_from_checkpoint(path)
+        except CheckpointCorrupted as error:
+            raise ModelFileError(str(error)) from None
+    return model_from_checkpoint(latest_checkpoint(path))
+
+
+def load_init_weights(path: Path, model: nn.Module, config: RunConfig) -> int | None:
+    """``init_from``: the weights at ``path`` (whatever :func:`load_model` reads) into the plain
+    (unwrapped) ``model`` of ``config``, in this process; -> the step they were trained to (None
+    where not recorded). Every weight must have this model's name and shape, and the source
+    this run's tokenizer; config fields that shape no weight (``max_seq_len``, ``backend``, ...)
+    may differ. Otherwise, or when ``path`` cannot be read, SetupError naming what differs."""
+    if not path.exists():
+        raise SetupError(f"init_from={path}: no such file or directory")
+    try:
+        source, source_model, step = load_model(path)
+    except (RunDirError, ModelFileError) as error:
+        raise SetupError(f"init_from={path}: {error}") from None
+    if source.train.tokenizer != config.train.tokenizer:
+        raise SetupError(f"init_from={path} was trained with tokenizer={source.train.tokenizer}, "
+                         f"this run reads tokenizer={config.train.tokenizer}")
+    weights = source_model.state_dict()
+    mismatch = weight_mismatch(weights, model.state_dict())
+    if mismatch is not None:
+        raise SetupError(f"init_from={path}: its model differs from this run's "
+                         f"({config_diff(source.model, config.model)}): {mismatch}")
+    model.load_state_dict(weights)
+    return step
+
+
+def weight_mismatch(source: dict[str, torch.Tensor],
+                    target: dict[str, torch.Tensor]) -> str | None:
+    """The first weight, in ``target``'s order then ``source``'s, that one of two state dicts
+    lacks or that differs in shape ('NAME is SHAPE there and SHAPE here'); None when all match."""
+    def shape(weights: dict[str, torch.Tensor], name: str) -> str:
+        return str(tuple(weights[name].shape)) if name in weights else "absent"
+
+    for name in [*target, *(name for name in source if name not in target)]:
+        if shape(source, name) != shape(target, name):
+            return f"{name} is {shape(source, name)} there and {shape(target, name)} here"
+    return None
 
 
 def config_diff(old, new) -> str:

@@ -7,6 +7,7 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from nsa.config_tree import replace_fields, resolve_key
 from nsa.models.config import MODEL_PRESETS, ModelConfig
@@ -37,6 +38,12 @@ class TrainConfig:
     log_interval: int = 10  # steps between log lines / metrics records
     checkpoint_interval: int = 500  # steps between checkpoints (one is always written at the end)
     run_dir: str = "runs/nsa"
+    # Start from another run's model weights (curriculum, fine-tuning): a run directory (its
+    # newest good checkpoint), one checkpoint directory, or a file or Hugging Face directory
+    # written by 'nsa export'. Weights only: the optimizer, step, learning-rate schedule, RNG
+    # and data position start fresh. Every weight must have this model's name and shape
+    # (max_seq_len may differ). A run that resumes its own checkpoint does not apply it again.
+    init_from: str | None = None
     seed: int = 0
     device: str = "auto"  # "auto": cuda if available, else cpu
     autocast: bool = True  # bf16 autocast on CUDA; the CPU always computes in float32
@@ -142,6 +149,12 @@ class TrainConfig:
             raise ValueError(f"sample_temperature must be > 0, got {self.sample_temperature}")
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
+        if self.init_from is not None:
+            if not self.init_from:
+                raise ValueError("init_from must not be empty (none: start from random weights)")
+            if Path(self.init_from).resolve().is_relative_to(Path(self.run_dir).resolve()):
+                raise ValueError(f"init_from={self.init_from} is inside run_dir={self.run_dir}: "
+                                 f"give another run's weights (--resume continues this run)")
 
 
 @dataclass(frozen=True)

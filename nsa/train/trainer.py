@@ -35,6 +35,7 @@ from nsa.train.checkpoint import (
     checkpoint_dirs,
     latest_checkpoint,
     load_checkpoint,
+    load_init_weights,
     load_model,
     save_checkpoint,
 )
@@ -115,6 +116,8 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
 
     torch.manual_seed(t.seed)
     model = LanguageModel(config.model).to(device)
+    if t.init_from is not None:
+        init_weights(model, config, resume, ctx)
     model.checkpoint_blocks = t.activation_checkpointing
     flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
     bf16 = t.autocast and device.type == "cuda"
@@ -207,6 +210,27 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     barrier(ctx)
     train_loss = None if loss is None else loss.item()
     return TrainResult(t.max_steps, train_loss, val_loss, run_dir, sample)
+
+
+def init_weights(model: nn.Module, config: RunConfig, resume: bool, ctx: DistContext) -> None:
+    """``init_from`` into the plain (not yet wrapped) ``model`` of a fresh run: every rank reads
+    the weights alike, and a failure on any rank stops them all. A resumed run started from
+    them already: it keeps its own checkpoint's."""
+    t = config.train
+    if resume:
+        if ctx.is_main:
+            print(f"init_from={t.init_from} not applied: resuming the run in {t.run_dir}",
+                  flush=True)
+        return
+    error = step = None
+    try:
+        step = load_init_weights(Path(t.init_from), model, config)
+    except Exception as caught:  # raised below, on every rank
+        error = caught
+    fail_together(error, ctx, SetupError)
+    if ctx.is_main:
+        print(f"init from {t.init_from} (step {'not recorded' if step is None else step})",
+              flush=True)
 
 
 def check_finite(diverged: torch.Tensor, step: int, ctx: DistContext) -> None:
@@ -526,7 +550,7 @@ def sample_checkpoint(path: Path, prompt: str | None = None, num_tokens: int | N
     ``prompt``, ``num_tokens`` and ``temperature`` override the run's ``sample_prompt``,
     ``sample_tokens`` and ``sample_temperature``; a bad value raises ``ValueError`` naming
     that field."""
-    config, model = load_model(path)
+    config, model, _ = load_model(path)
     overrides = {"sample_prompt": prompt, "sample_tokens": num_tokens,
                  "sample_temperature": temperature}
     t = replace(config.train, **{k: v for k, v in overrides.items() if v is not None})

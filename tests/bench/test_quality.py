@@ -1,9 +1,11 @@
 """bench/quality.py end to end with a very small model: three variants trained on the bundled
-corpus, cut into documents, at equal tokens; their curves, passkey cells, JSON and plot."""
+corpus, cut into documents, at equal tokens; their curves, passkey cells, JSON and plot; a
+curriculum from an earlier call's runs (--init-from)."""
 
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,37 @@ def test_three_variants_at_equal_tokens(tmp_path, capsys):
         assert [(c["length"], c["depth"]) for c in run["passkey"]] == [(96, 0), (96, 100)]
     assert summary["runs"]["dense"]["parameters"] < summary["runs"]["nsa"]["parameters"]
     assert "variant" in capsys.readouterr().out
+
+
+@needs_datasets
+def test_init_from_starts_each_variant_from_its_run_of_an_earlier_call(tmp_path, capsys):
+    """A curriculum: seq 96, then seq 128 from its runs."""
+    common = ["--tokens", str(2 * 2 * 96), "--evals", "1", "--variants", "nsa,dense",
+              "--passkey-depths", "0", "--passkey-trials", "1", *SMALL]
+    quality.main(["--out", str(tmp_path / "q96"), "--seq", "96", *common])
+    quality.main(["--out", str(tmp_path / "q128"), "--seq", "128", "--init-from",
+                  str(tmp_path / "q96"), *common])
+    summary = json.loads((tmp_path / "q128" / "quality.json").read_text())
+    assert summary["settings"]["init_from"] == str(tmp_path / "q96")
+    assert summary["title"].endswith(f", from {tmp_path / 'q96'}")
+    for name in ("nsa", "dense"):
+        config = json.loads((tmp_path / "q128" / name / "config.json").read_text())
+        assert config["train"]["init_from"] == str(tmp_path / "q96" / name)
+        assert config["model"]["max_seq_len"] == 128
+    assert f"init from {tmp_path / 'q96' / 'dense'} (step 2)" in capsys.readouterr().out
+
+
+def test_init_from_without_a_run_of_a_variant_fails_before_any_training(run_dir, tmp_path,
+                                                                         capsys, monkeypatch):
+    earlier = tmp_path / "earlier"
+    shutil.copytree(run_dir, earlier / "nsa")  # no dense/
+    monkeypatch.setattr(quality, "train", lambda *args, **kwargs: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as raised:
+        quality.main(["--out", str(tmp_path / "out"), "--init-from", str(earlier),
+                      "--variants", "nsa,dense", *SMALL])
+    assert raised.value.code == 2
+    assert (f"--init-from {earlier}: no checkpoint of variant dense in {earlier / 'dense'}"
+            in capsys.readouterr().err)
 
 
 def summary_of(*variants, seed=0):

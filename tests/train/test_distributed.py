@@ -1,5 +1,6 @@
 """DDP and FSDP2 under torchrun with 2 CPU processes (gloo) against one process, resume at a
-different world size, and a diverging run stopping without saving."""
+different world size, a start from another run's weights, and a diverging run stopping without
+saving."""
 
 import sys
 from pathlib import Path
@@ -59,6 +60,17 @@ def test_two_ranks_match_one_process_and_resume_on_one(tmp_path, single_run, par
     after = losses(tmp_path)
     for step in (5, 6):
         assert after[step] == pytest.approx(single[step], rel=1e-4), step
+
+
+def test_two_ranks_start_from_a_one_process_run_as_one_process_does(tmp_path, single_run):
+    """init_from under FSDP2: every rank loads the source's weights before sharding them."""
+    source, trained = single_run
+    one = run_single(tmp_path / "one", f"init_from={source}", "max_steps=2")
+    two = run_two_ranks(tmp_path / "two", "parallel=fsdp", f"init_from={source}", "max_steps=2")
+    assert one[1] != trained[1]  # the same first batch, the trained weights
+    assert sorted(two) == [1, 2]
+    for step, loss in two.items():
+        assert loss == pytest.approx(one[step], rel=1e-5, abs=1e-6), step
 
 
 def test_a_diverging_run_stops_without_saving(tmp_path, monkeypatch, tiny_overrides):

@@ -48,8 +48,9 @@ def test_an_exported_file_round_trips(exported, checkpoint):
     config, model, step = model_from_checkpoint(checkpoint)
     exported_config, weights, exported_step = load_exported(exported)
     assert (exported_config, exported_step) == (config, step)
-    loaded_config, loaded = load_model(exported)
-    assert loaded_config == config and loaded.head.weight is loaded.embed.weight
+    loaded_config, loaded, loaded_step = load_model(exported)
+    assert (loaded_config, loaded_step) == (config, step)
+    assert loaded.head.weight is loaded.embed.weight
     for name, value in model.state_dict().items():
         assert torch.equal(weights[name], value) and torch.equal(loaded.state_dict()[name],
                                                                   value), name
