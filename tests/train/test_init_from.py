@@ -40,7 +40,8 @@ def first_step(monkeypatch) -> dict:
 
     def recording_step(model, optimizer, *args, **kwargs):
         if not seen:
-            seen.update(weights={name: value.clone()
+            # On the CPU, where the checkpoints' weights load (the run's may be on a GPU).
+            seen.update(weights={name: value.detach().to("cpu", copy=True)
                                  for name, value in unwrap(model).state_dict().items()},
                         optimizer=optimizer.state_dict(), lr=optimizer.param_groups[0]["lr"])
         return real_step(model, optimizer, *args, **kwargs)

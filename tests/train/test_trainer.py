@@ -157,7 +157,10 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_overrides, grad_clip):
     (loss1, norm1, params1), (loss2, norm2, params2) = results
     torch.testing.assert_close(loss2, loss1)
     torch.testing.assert_close(norm2, norm1)
-    torch.testing.assert_close(params2, params1)
+    # AdamW's first update is lr · g / (|g| + eps): where a gradient is near eps, summing it
+    # in two halves moves the update by a few percent of lr (1.4e-5 once, on a GPU machine's
+    # CPU); a wrong accumulation shows in the loss and the norm above.
+    torch.testing.assert_close(params2, params1, rtol=1.3e-6, atol=5e-5)
 
 
 def test_doc_masking_without_eot_in_the_rows_is_the_unmasked_step(tiny_overrides):
