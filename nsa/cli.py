@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seq", type=int, help="tokens per window (default: the run's seq_len)")
     ev.add_argument("--passkey-lengths", metavar="L,...",
                     help="context lengths in tokens (default: the model's max_seq_len)")
+    ev.add_argument("--max-seq-len", type=int, metavar="N",
+                    help="evaluate as if the model's max_seq_len were N (> its own): contexts "
+                         "past the length it was trained to, to measure extrapolation")
     ev.add_argument("--passkey-depths", metavar="D,...",
                     help=f"needle depths in percent (default: {PASSKEY_DEPTHS})")
     ev.add_argument("--passkey-trials", type=int,
@@ -250,6 +253,25 @@ def check_writable(flag: str, path: Path | None) -> None:
         raise ValueError(f"{flag} {path}: not a file path in an existing directory")
 
 
+def with_longer_context(config, model, max_seq_len: int):
+    """(config, model) that read up to ``max_seq_len`` tokens with ``model``'s weights (no weight
+    depends on max_seq_len), for evaluating past the length the model was trained to."""
+    from dataclasses import replace
+
+    from nsa.models import LanguageModel
+
+    trained = config.model.max_seq_len
+    if max_seq_len <= trained:
+        raise ValueError(f"--max-seq-len must exceed the model's max_seq_len ({trained}), got "
+                         f"{max_seq_len}")
+    model_config = replace(config.model, max_seq_len=max_seq_len)
+    longer = LanguageModel(model_config)
+    longer.load_state_dict(model.state_dict())
+    print(f"max_seq_len {trained} -> {max_seq_len} for this evaluation: positions past "
+          f"{trained} were not trained", flush=True)
+    return replace(config, model=model_config), longer
+
+
 def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every check comes before the model runs: a bad flag, path, length or depth, a missing
     matplotlib for --heatmap, data that cannot be read, each is one ``nsa: error:`` line."""
@@ -294,6 +316,8 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             raise ValueError(f"--model {args.model}: no such file or directory")
         device = resolve_device(args.device)
         config, model, _ = load_model(args.model)
+        if args.max_seq_len is not None:
+            config, model = with_longer_context(config, model, args.max_seq_len)
         check_attention_backend(config.model, device)
         t = config.train
         tokenizer = get_tokenizer(t.tokenizer)

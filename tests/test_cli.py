@@ -91,6 +91,23 @@ def test_readme_eval_perplexity_and_passkey(run_dir, model_file, tmp_path, capsy
         (length, depth, 2) for length in (96, 128) for depth in (0, 50, 100)]
 
 
+def test_eval_past_the_trained_length(run_dir, capsys):
+    """'nsa eval --max-seq-len 256' evaluates a model of max_seq_len 128 at contexts up to 256
+    with the same weights, saying so; the model's own length gives the same cells as without
+    the flag."""
+    argv = ["eval", "--model", str(run_dir), "--tasks", "passkey", "--passkey-depths", "0,100",
+            "--passkey-trials", "1"]
+    nsa.cli.main([*argv, "--passkey-lengths", "128,256", "--max-seq-len", "256"])
+    out = capsys.readouterr().out
+    assert "max_seq_len 128 -> 256 for this evaluation: positions past 128 were not trained" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip().startswith(("128", "256"))]
+    assert rows == ["128", "256"]
+    nsa.cli.main([*argv, "--passkey-lengths", "128", "--max-seq-len", "256"])
+    longer = capsys.readouterr().out.split("\n", 1)[1]
+    nsa.cli.main([*argv, "--passkey-lengths", "128"])
+    assert capsys.readouterr().out == longer
+
+
 def test_eval_heatmap_needs_matplotlib(run_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
     with pytest.raises(SystemExit):
@@ -175,6 +192,12 @@ MISUSES = {  # argv ({name} is a path of ``files``) -> the error's message
                                     "--seq must be in [1, max_seq_len=128], got 129"),
     "eval-length-beyond-max-seq-len": ([*PASSKEY, "--passkey-lengths", "96,256"],
                                        "passkey length 256 is outside [79, 128]"),
+    "eval-max-seq-len-not-longer": ([*PASSKEY, "--max-seq-len", "128"],
+                                    "--max-seq-len must exceed the model's max_seq_len (128), "
+                                    "got 128"),
+    "eval-length-beyond-the-longer-max-seq-len": (
+        [*PASSKEY, "--max-seq-len", "192", "--passkey-lengths", "256"],
+        "passkey length 256 is outside [79, 192]"),
     "eval-length-shorter-than-the-question": ([*PASSKEY, "--passkey-lengths", "40"],
                                               "passkey length 40 is outside [79, 128]"),
     "eval-length-not-a-number": ([*PASSKEY, "--passkey-lengths", "2k"],
