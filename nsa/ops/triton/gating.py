@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.common import store_rows
 from nsa.ops.triton.launch import pow2
 
 GATE_ROWS = 16  # rows per program of the gate backward
@@ -57,6 +58,20 @@ def store_gated_sum(O_CMP, O_SLC, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
                + g_slc * tl.load(O_SLC + rows + cols, mask=mask, other=0.0)
                + g_win * tl.load(O_WIN + rows + cols, mask=mask, other=0.0))
         tl.store(OUT + rows + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t, hq, T, HQ, m, l, acc, row_ok,
+                        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
+                        DV: tl.constexpr, BLOCK_DV: tl.constexpr, GATED: tl.constexpr):
+    """The selected forward kernels' epilogue for rows (b, t, hq): their output and
+    log-sum-exp (common.store_rows) and, with GATED, the gated sum of the three branches."""
+    o_rows = b * stride_ob + t * stride_ot + hq * stride_oh
+    store_rows(O + o_rows, LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok,
+               scale_log2, DV, BLOCK_DV)
+    if GATED:
+        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t) * HQ + hq, row_ok, DV,
+                        BLOCK_DV)
 
 
 @triton.jit

@@ -39,9 +39,8 @@ from nsa.ops.triton.common import (
     probs_and_dscores,
     softmax_step,
     split_tiles,
-    store_rows,
 )
-from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_gated_sum
+from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     TUNING,
     BranchGrad,
@@ -140,12 +139,9 @@ def _selected_fwd_kernel(
                                  BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
     qk = masked_products(q, k, k_ok[None, :], IEEE)
     m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
-    o_rows = b * stride_ob + t * stride_ot + hq * stride_oh
-    store_rows(O + o_rows, LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok,
-               scale_log2, DV, BLOCK_DV)
-    if GATED:
-        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t) * H * G + hq, row_ok,
-                        DV, BLOCK_DV)
+    store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t, hq, T, H * G, m, l, acc, row_ok,
+                        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, DV,
+                        BLOCK_DV, GATED)
 
 
 @triton.jit

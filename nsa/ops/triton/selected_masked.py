@@ -30,9 +30,8 @@ from nsa.ops.triton.common import (
     dq_tile,
     key_value_tile,
     load_tile,
-    store_rows,
 )
-from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_gated_sum
+from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
@@ -158,12 +157,9 @@ def _masked_fwd_kernel(
             s = start + tl.arange(0, BLOCK_N)
             valid = chosen[:, None] & (s[None, :] <= t64[:, None])
             m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
-    o_rows = b * stride_ob + t64 * stride_ot + hq * stride_oh
-    store_rows(O + o_rows, LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok,
-               scale_log2, DV, BLOCK_DV)
-    if GATED:
-        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t64) * H * G + hq, row_ok,
-                        DV, BLOCK_DV)
+    store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t64, hq, T, H * G, m, l, acc,
+                        row_ok, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
+                        DV, BLOCK_DV, GATED)
 
 
 @triton.jit
