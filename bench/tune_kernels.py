@@ -5,8 +5,8 @@
 Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the median time of its
 launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
 parameters (override with --batch/--heads/--dim). The selected forward and dq are timed both
-per position (selected_*) and as masked causal attention (masked_*: where T allows it, see
-nsa/ops/triton/selected_masked.py), on the same selected blocks.
+per position (selected_*; dK/dV per block) and as masked causal attention (masked_*: where T
+allows it, see nsa/ops/triton/selected_masked.py), on the same selected blocks.
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.gating import GatedSum
-from nsa.ops.triton.launch import TUNING, BranchGrad
+from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
-from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
+from nsa.ops.triton.selected_masked import (
+    masked_causal_selection,
+    masked_dkdv,
+    masked_dq,
+    masked_forward,
+)
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
@@ -54,24 +59,25 @@ def stages(B, T, HQ, H, D):
 
     masked = masked_causal_selection(T, PAPER, packed=False)
     return {
-        "dense_fwd": [
-            ("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)),
-            ("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
+        "cmp_fwd": [("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale))],
+        "win_fwd": [("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
             ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],
         "masked_fwd": [
             ("slc+sum", lambda: masked_forward(q, k, v, idx, PAPER, scale, gated))]
         if masked else [],
-        "dense_dq": [("cmp+dkdv", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP)),
-                     ("win+dkdv", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
-        "dense_dkdv": [],  # timed inside dense_dq's entries
+        # dq and dK/dV run in one call: each family is tuned with the other at its default.
+        "cmp_dq": [("cmp bwd", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP))],
+        "win_dq": [("win bwd", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
         "selected_dq": [("slc dq", lambda: position_dq(
             q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))],
         "selected_dkdv": [("slc dkdv", lambda: selected_dkdv(
             q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale))],
         "masked_dq": [("slc dq", lambda: masked_dq(
             q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))] if masked else [],
+        "masked_dkdv": [("slc dkdv", lambda: masked_dkdv(
+            q, k, v, idx, g_slc, lse_slc, d_slc, PAPER, scale))] if masked else [],
     }
 
 
@@ -84,29 +90,25 @@ def main(argv=None):
     parser.add_argument("--rows", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--num-stages", default="1,2,3")
-    parser.add_argument("--families", default="dense_fwd,select,selected_fwd,masked_fwd,"
-                        "dense_dq,selected_dq,selected_dkdv,masked_dq")
+    parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,masked_fwd,"
+                        "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
+                        "masked_dkdv")
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
     work = stages(args.batch, args.seq, HQ, H, args.dim)
     default = {name: dict(t) for name, t in TUNING.items()}
+    narrow = dict(NARROW_TUNING)
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
                                   map(int, args.num_stages.split(","))))
-    # Backward entries run two families (dq then dk/dv): tune them together.
-    families = {"dense_fwd": ["dense_fwd"], "select": ["select"],
-                "selected_fwd": ["selected_fwd"], "masked_fwd": ["masked_fwd"],
-                "dense_dq": ["dense_dq", "dense_dkdv"], "selected_dq": ["selected_dq"],
-                "selected_dkdv": ["selected_dkdv"], "masked_dq": ["masked_dq"]}
+    work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
     for family in args.families.split(","):
-        members = families[family]
         for label, fn in work[family]:
             timings = []
             for rows, warps, n_stages in grid:
-                for m in members:
-                    TUNING[m] = dict(default[m], rows=rows, num_warps=warps,
-                                     num_stages=n_stages)
+                TUNING[family] = NARROW_TUNING[family] = dict(
+                    default[family], rows=rows, num_warps=warps, num_stages=n_stages)
                 try:
                     ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
@@ -114,11 +116,14 @@ def main(argv=None):
                     print(f"  {family}/{label} rows={rows} warps={warps} stages={n_stages}: "
                           f"{type(error).__name__}")
                 timings.append((ms, rows, warps, n_stages))
-            for m in members:
-                TUNING[m] = dict(default[m])
+            TUNING[family] = dict(default[family])
+            NARROW_TUNING.pop(family)
+            if family in narrow:
+                NARROW_TUNING[family] = narrow[family]
+            ms_default = do_bench(fn, warmup=10, rep=60, return_mode="median")  # as shipped
             timings.sort()
-            best = ", ".join(f"{ms:.2f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
-            print(f"{family:13s} {label:9s} best: {best}", flush=True)
+            best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
+            print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
 
 
 if __name__ == "__main__":

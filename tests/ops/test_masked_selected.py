@@ -1,4 +1,4 @@
-"""The selected branch's forward and dq as masked causal attention (nsa/ops/triton/
+"""The selected branch's forward, dq and dK/dV as masked causal attention (nsa/ops/triton/
 selected_masked.py) against a float64 oracle on the same selected blocks: every position
 attends to the tokens <= itself of the blocks it selected. Random selections (ascending, -1
 padded, the position's own block and block 0 always in) give tiles every row selected, tiles
@@ -15,6 +15,7 @@ from nsa.ops.triton import selected  # noqa: E402
 from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
     masked_causal_selection,
+    masked_dkdv,
     masked_dq,
     masked_forward,
 )
@@ -93,12 +94,20 @@ def oracle(q, k, v, idx, sel_block, scale):
 
 
 def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
+    o, lse, dq, _, _ = kernel_forward_backward(q, k, v, do, idx, params, scale)
+    return o, lse, dq
+
+
+def kernel_forward_backward(q, k, v, do, idx, params, scale, gate=None):
+    """(o, lse, dq, dk, dv) of the masked kernels; the output gradient is gate · do (gate
+    [B, T, HQ] float32, default 1)."""
     o, lse = masked_forward(q, k, v, idx, params, scale)
+    grad = BranchGrad.ungated(do) if gate is None else BranchGrad(do, gate)
     delta = (do.float() * o).sum(-1)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    masked_dq(q, k, v, idx, BranchGrad.ungated(do), lse, delta, dq, None, params, scale,
-              accumulate=False)
-    return o, lse, dq
+    masked_dq(q, k, v, idx, grad, lse, delta, dq, None, params, scale, accumulate=False)
+    dk, dv = masked_dkdv(q, k, v, idx, grad, lse, delta, params, scale)
+    return o, lse, dq, dk, dv
 
 
 def rel(a, b):
@@ -116,13 +125,21 @@ def test_masked_selected_matches_float64_oracle(case, dtype):
     (q, k, v, do), idx, params, (q64, k64, v64, do64) = make_case(case, dtype)
     assert masked_causal_selection(q.shape[1], params, packed=False)
     scale = q.shape[-1] ** -0.5  # <= 1 / log2(e): the kernels' lse is the plain base-2 one
-    o, lse, dq = kernel_forward_and_dq(q, k, v, do, idx, params, scale)
-    q64.requires_grad_()
+    # The branch's output gradient is gate · do (the kernels apply each row's gate).
+    gate = torch.rand(q.shape[:-1], generator=torch.Generator().manual_seed(1)) + 0.5
+    o, lse, dq, dk, dv = kernel_forward_backward(q, k, v, do, idx, params, scale,
+                                                 gate.to(DEVICE))
+    for x in (q64, k64, v64):
+        x.requires_grad_()
     ref, ref_lse = oracle(q64, k64, v64, idx, params.sel_block, scale)
-    (ref_dq,) = torch.autograd.grad(ref, q64, do64)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q64, k64, v64),
+                                                 do64 * gate.double()[..., None])
+    assert dk.dtype == k.dtype and dv.dtype == v.dtype
     assert rel(o, ref) <= TOLERANCE[dtype]
     assert rel(lse, ref_lse.detach()) <= TOLERANCE[dtype]
     assert rel(dq, ref_dq) <= TOLERANCE[dtype]
+    assert rel(dk, ref_dk) <= TOLERANCE[dtype]
+    assert rel(dv, ref_dv) <= TOLERANCE[dtype]
 
 
 def tile_kinds(idx, G, rows, sel_block):
@@ -168,6 +185,41 @@ def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
     assert dq.isnan().any(-1).cpu().equal(sees)
 
 
+def test_a_nan_query_reaches_the_key_gradients_of_exactly_the_keys_it_sees():
+    """A NaN in one (position, head) row's query: dK and dV are NaN at exactly the keys that
+    row sees (its selected blocks up to itself), finite elsewhere."""
+    case = CASES[3]
+    (q, k, v, do), idx, params, _ = make_case(case, torch.float32, seed=3)
+    t, head = 150, 1  # KV head 0
+    q[0, t, head, 0] = float("nan")
+    _, _, _, dk, dv = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
+    sees = torch.zeros(k.shape[:3], dtype=torch.bool)
+    sees[0, :, 0] = allowed_pairs(idx.cpu(), q.shape[2], params.sel_block)[0, t, head]
+    assert sees.any() and (~sees[0, :t + 1, 0]).any()
+    assert dk.isnan().any(-1).cpu().equal(sees)
+    assert dv.isnan().any(-1).cpu().equal(sees)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[4]], ids=case_id)
+def test_dkdv_split_into_query_segments_equals_one_segment(case, monkeypatch):
+    """On a GPU whose SMs the key tiles alone would leave idle, dK/dV runs over segments of
+    the queries (float32 partials, summed in order): the same gradients as one segment, with
+    segment boundaries inside key tiles' diagonals (segments of 40 positions, tiles of 16) and
+    on them (256, tiles of 64)."""
+    from nsa.ops.triton import launch
+
+    (q, k, v, do), idx, params, _ = make_case(case, torch.float32)
+    whole = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
+    monkeypatch.setattr(launch, "num_sms", lambda device: 1000)
+    monkeypatch.setattr(launch, "MIN_SEGMENT", 40 if params.sel_block == 16 else 256)
+    T = q.shape[1]
+    assert launch.dkdv_segment(T, 1, q.device, T) < T  # more than one segment
+    split = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
+    for a, b in zip(split[3:], whole[3:]):
+        assert a.dtype == b.dtype == k.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_masked_path_is_for_short_fixed_length_batches_only():
     paper = NSAParams()
     assert masked_causal_selection(2048, paper, packed=False)  # 32 blocks = 2n
@@ -182,9 +234,9 @@ def test_masked_path_is_for_short_fixed_length_batches_only():
 
 
 def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
-    """selected_forward and the dq of the backward dispatch on masked_causal_selection: the
-    same inputs through packed tables (one sequence: the same semantics, per-position
-    kernels) give the same outputs and dq."""
+    """selected_forward and selected_backward dispatch on masked_causal_selection: the same
+    inputs through packed tables (one sequence: the same semantics, per-position and per-block
+    kernels) give the same outputs and gradients."""
     (q, k, v, do), idx, params, _ = make_case(CASES[1], torch.float32)
     T = q.shape[1]
     scale = q.shape[-1] ** -0.5
@@ -193,15 +245,18 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
                         lambda *a: calls.append("fwd") or masked_forward(*a))
     monkeypatch.setattr(selected, "masked_dq",
                         lambda *a, **kw: calls.append("dq") or masked_dq(*a, **kw))
+    monkeypatch.setattr(selected, "masked_dkdv",
+                        lambda *a: calls.append("dkdv") or masked_dkdv(*a))
     results = []
     for cu in (None, torch.tensor([0, T], dtype=torch.int32, device=DEVICE)):
         tables = build_tables(T, params.compressed_length(T), cu, params, q.device)
         o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale)
         delta = (do * o).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        selected.selected_backward(q, k, v, idx, BranchGrad.ungated(do), lse, delta, dq,
-                                   tables, params, scale, accumulate=False)
-        results.append((o, lse, dq))
-    assert calls == ["fwd", "dq"]  # the packed tables took the per-position kernels
+        dk, dv = selected.selected_backward(q, k, v, idx, BranchGrad.ungated(do), lse, delta,
+                                            dq, tables, params, scale, accumulate=False)
+        results.append((o, lse, dq, dk, dv))
+    # The packed tables took the per-position forward and dq, and the per-block dK/dV.
+    assert calls == ["fwd", "dq", "dkdv"]
     for masked, per_position in zip(*results):
         torch.testing.assert_close(masked, per_position, rtol=1e-5, atol=1e-5)

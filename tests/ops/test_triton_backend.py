@@ -309,9 +309,9 @@ def test_tensor_descriptors_only_where_tma_can_read():
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
     from nsa.ops.triton.launch import TUNING, launch_shape
 
-    rows = TUNING["dense_dkdv"]["rows"]
-    assert launch_shape("dense_dkdv", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
+    rows = TUNING["win_dkdv"]["rows"]
+    assert launch_shape("win_dkdv", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
     # float32 counts as twice the head dim: the float32 GPU cases ran out of shared memory.
-    assert launch_shape("dense_dkdv", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
-    assert launch_shape("dense_dkdv", 6, 192, 4)[0] == rows // 4
-    assert launch_shape("dense_dkdv", 64, 192, 4)[0] == 64  # never below the group
+    assert launch_shape("win_dkdv", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
+    assert launch_shape("win_dkdv", 6, 192, 4)[0] == rows // 4
+    assert launch_shape("win_dkdv", 64, 192, 4)[0] == 64  # never below the group

@@ -221,6 +221,21 @@ def load_tile(row_ptrs, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def query_rows_tile(Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
+                    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK: tl.constexpr,
+                    DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """What a backward kernel reads of its query rows (positions t64 x query heads hq of batch
+    b): q, do, gate, lse, delta (padding rows: zeros, an lse of +inf)."""
+    lse_rows = b * stride_lb + t64 * stride_lt + hq
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
+    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    return q, do, gate, lse, delta
+
+
+@triton.jit
 def key_value_tile(K, V, KD, VD, b, h, start, key_end, stride_kb, stride_kt, stride_kh,
                    stride_vb, stride_vt, stride_vh, DK: tl.constexpr, DV: tl.constexpr,
                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -32,6 +32,7 @@ from nsa.ops.triton.common import (
     key_value_tile,
     load_tile,
     partial_tile,
+    query_rows_tile,
     split_tiles,
     store_rows,
     store_tile,
@@ -39,8 +40,8 @@ from nsa.ops.triton.common import (
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
+    dkdv_segment,
     launch_shape,
-    num_sms,
     pow2,
     shapes,
     strides,
@@ -48,9 +49,9 @@ from nsa.ops.triton.launch import (
 
 BLOCK_N = 64  # keys per step of the compressed and window kernels
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
-MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
 MODE_CMP = 0
 MODE_WIN = 1
+MODE_NAMES = {MODE_CMP: "cmp", MODE_WIN: "win"}  # of the launch shapes (launch.TUNING)
 
 
 @triton.jit
@@ -158,12 +159,9 @@ def _branch_bwd_dq_kernel(
     the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype)."""
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
-    lse_rows = b * stride_lb + t64 * stride_lt + hq
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    q, do, gate, lse, delta = query_rows_tile(
+        Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
+        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
     for i in range(0, num_partial):
         k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
@@ -196,13 +194,10 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, tok_pos, tok_cm
     row_ok = (r < P * G) & (t < t_hi)
     lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                 CMP_STRIDE)
-    t64 = t.to(tl.int64)
-    lse_rows = b * stride_lb + t64 * stride_lt + hq
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    q, do, gate, lse, delta = query_rows_tile(
+        Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, row_ok, stride_qb, stride_qt,
+        stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
+        BLOCK_DV)
     valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
     return q, do, gate, lse, delta, valid
 
@@ -298,13 +293,6 @@ def _branch_bwd_dkdv_kernel(
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> int:
-    """Query positions per dK/dV segment: at most ``longest``, fewer (not below MIN_SEGMENT)
-    when ``programs`` key tiles alone would leave SMs idle (aim: two programs per SM)."""
-    wanted = triton.cdiv(2 * num_sms(device), max(programs, 1))
-    return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
-
-
 def _query_descriptors(q, do, G: int, rows: int):
     """(QD, DOD, TMA): [B, T, HQ, D] descriptors of the rows / G positions x G heads of a full
     query tile of dK/dV, where the rows are whole positions (G a power of two) and TMA can read
@@ -319,7 +307,7 @@ def branch_forward(q, k, v, tables, mode, params, scale):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    R, launch = launch_shape("dense_fwd", G, max(Dk, Dv), q.element_size())
+    R, launch = launch_shape(f"{MODE_NAMES[mode]}_fwd", G, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of BLOCK_N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     grid = (triton.cdiv(T, R // G), B * H)
@@ -345,7 +333,7 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
                 BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
-    R, launch = launch_shape("dense_dq", G, max(Dk, Dv), q.element_size())
+    R, launch = launch_shape(f"{MODE_NAMES[mode]}_dq", G, max(Dk, Dv), q.element_size())
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
         q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
@@ -355,8 +343,8 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
-    segment = _dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
-                            CMP_SEGMENT if mode == MODE_CMP else T)
+    segment = dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
+                           CMP_SEGMENT if mode == MODE_CMP else T)
     segments = triton.cdiv(T, segment)
     # One segment writes dK, dV in k's and v's dtypes; several write float32 partials.
     single = segments == 1
@@ -369,7 +357,8 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     else:
         t_lo, t_hi = tables.tok_index, tables.tok_t_hi
     if NK:
-        R, launch = launch_shape("dense_dkdv", G, max(Dk, Dv), q.element_size())
+        R, launch = launch_shape(f"{MODE_NAMES[mode]}_dkdv", G, max(Dk, Dv),
+                                 q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,

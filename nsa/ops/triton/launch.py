@@ -13,9 +13,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
 TUNING = {
-    "dense_fwd": dict(rows=128, num_warps=4, num_stages=2),
-    "dense_dq": dict(rows=128, num_warps=8, num_stages=2),
-    "dense_dkdv": dict(rows=128, num_warps=8, num_stages=2),
+    # The compressed (cmp) and window (win) branches: compressed_window.py.
+    "cmp_fwd": dict(rows=128, num_warps=4, num_stages=2),
+    "win_fwd": dict(rows=128, num_warps=4, num_stages=2),
+    "cmp_dq": dict(rows=128, num_warps=8, num_stages=2),
+    "win_dq": dict(rows=128, num_warps=8, num_stages=2),
+    "cmp_dkdv": dict(rows=128, num_warps=8, num_stages=2),
+    "win_dkdv": dict(rows=128, num_warps=8, num_stages=2),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
     # per step.
     "select": dict(rows=64, num_warps=4, num_stages=1, tokens=128),
@@ -27,6 +31,16 @@ TUNING = {
     # The selected forward and dq at short T as masked causal attention (selected_masked.py).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=1),
     "masked_dq": dict(rows=128, num_warps=4, num_stages=1),
+    "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
+}
+# Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
+# measured at 8 x 2k (bench/NOTES.md, v18).
+NARROW_TUNING = {
+    "cmp_dq": dict(rows=64, num_warps=4, num_stages=3),
+    "win_dq": dict(rows=64, num_warps=4, num_stages=3),
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2),
+    "win_dkdv": dict(rows=64, num_warps=4, num_stages=3),
+    "masked_dkdv": dict(rows=64, num_warps=4, num_stages=3),
 }
 
 
@@ -52,12 +66,13 @@ def pow2(x: int, minimum: int = 16) -> int:
 def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
 
-    The tuned shapes are for 16-bit tiles of head dim <= 128. Wider tiles (a larger head dim,
+    The tuned shapes are for 16-bit tiles of head dim <= 128, with NARROW_TUNING's for head
+    dims <= 64 where it has the family. Wider tiles (a larger head dim,
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory."""
-    tuning = TUNING[kind]
-    rows, stages = tuning["rows"], tuning["num_stages"]
     width = pow2(head_dim) * element_size // 2
+    tuning = TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
+    rows, stages = tuning["rows"], tuning["num_stages"]
     if width > 128:
         rows, stages = max(16, rows * 128 // width), 1
     return max(rows, pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
@@ -69,6 +84,18 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
+
+
+def dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> int:
+    """Query positions per segment of a dK/dV kernel whose programs each own a key tile and
+    loop over the queries that see it: at most ``longest``, fewer (not below MIN_SEGMENT) when
+    ``programs`` key tiles alone would leave SMs idle (aim: two programs per SM). Segments
+    write separate partials, summed in a fixed order."""
+    wanted = triton.cdiv(2 * num_sms(device), max(programs, 1))
+    return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
 
 
 def strides(x: torch.Tensor, n: int = 3):

@@ -1,6 +1,6 @@
 """Attention over the selected blocks: Triton kernels, then their launch wrappers. At short T
-(fixed-length batches of few blocks: ``masked_causal_selection``) the forward and dq run as
-causal attention masked to each position's blocks instead (selected_masked.py).
+(fixed-length batches of few blocks: ``masked_causal_selection``) the forward, dq and dK/dV run
+as causal attention masked to each position's blocks instead (selected_masked.py).
 
 * ``_selected_fwd_kernel`` / ``_selected_bwd_dq_kernel``: one program per (position, KV head),
   the G query heads as rows, iterating only that position's own blocks (its first
@@ -37,6 +37,7 @@ from nsa.ops.triton.common import (
     masked_products,
     partial_tile,
     probs_and_dscores,
+    query_rows_tile,
     softmax_step,
     split_tiles,
 )
@@ -50,7 +51,12 @@ from nsa.ops.triton.launch import (
     shapes,
     strides,
 )
-from nsa.ops.triton.selected_masked import masked_causal_selection, masked_dq, masked_forward
+from nsa.ops.triton.selected_masked import (
+    masked_causal_selection,
+    masked_dkdv,
+    masked_dq,
+    masked_forward,
+)
 from nsa.ops.triton.tables import KernelTables, i32
 
 SELECTED_SEGMENT = 256  # most (position) entries one selected-branch dK/dV program handles
@@ -199,13 +205,10 @@ def _entry_tile(e_start, e_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, entry_pos, b, h
     row_ok = (r < P * G) & (e < e_hi)
     t = tl.load(entry_pos + e, mask=row_ok, other=0)
     hq = h * G + r % G
-    t64 = t.to(tl.int64)
-    lse_rows = b * stride_lb + t64 * stride_lt + hq
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    q, do, gate, lse, delta = query_rows_tile(
+        Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, row_ok, stride_qb, stride_qt,
+        stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
+        BLOCK_DV)
     valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
     return q, do, gate, lse, delta, valid
 
@@ -441,10 +444,12 @@ def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, pa
                       accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
     ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
-    dq_kernel = (masked_dq if masked_causal_selection(q.shape[1], params, tables.packed)
-                 else position_dq)
-    dq_kernel(q, k, v, idx, grad, lse, delta, dq, tables, params, scale, accumulate=accumulate,
-              dq_out=dq_out)
+    if masked_causal_selection(q.shape[1], params, tables.packed):
+        masked_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,
+                  accumulate=accumulate, dq_out=dq_out)
+        return masked_dkdv(q, k, v, idx, grad, lse, delta, params, scale)
+    position_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,
+                accumulate=accumulate, dq_out=dq_out)
     return selected_dkdv(q, k, v, idx, grad, lse, delta, tables, params, scale)
 
 

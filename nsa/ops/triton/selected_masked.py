@@ -1,5 +1,5 @@
-"""The selected branch's forward and dq at short T: causal attention masked to each position's
-selected blocks, Triton kernels then their launch wrappers.
+"""The selected branch's forward, dq and dK/dV at short T: causal attention masked to each
+position's selected blocks, Triton kernels then their launch wrappers.
 
 At T = 2k with the paper's blocks (l' = 64, n = 16) a position selects up to half of the 32
 blocks before it, so the branch is nearly causal attention; the per-position kernels of
@@ -13,8 +13,14 @@ allows), a tile some rows selected is masked per row and multiplies finite parts
 (common.py, Masks), a tile no row selected is skipped, and the tiles on the diagonal are
 masked by position too. ``masked_causal_selection`` says when this runs: fixed-length batches
 whose blocks (a power of two >= 16 tokens) number at most 64 and at most 2n, so that the
-union of a tile's blocks stays close to the work each position asks for. dK/dV always runs per
-block (``selected.py``).
+union of a tile's blocks stays close to the work each position asks for.
+
+dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
+``compressed_window.py``): it loops over the later query tiles, loading the rows whose
+position did not select the tile's block as padding rows (zeros, lse = +inf), so every tile
+past the diagonal takes the plain products and a tile no row selected is skipped; it needs no
+inverse index (the per-block kernel's sort). Each program writes its own keys' gradients, or
+with small B x H a partial per segment of the queries, summed in order: deterministic.
 """
 
 from __future__ import annotations
@@ -27,14 +33,20 @@ from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
     accumulate_tile,
     attend_tile,
+    dkdv_tile,
     dq_tile,
     key_value_tile,
     load_tile,
+    partial_tile,
+    query_rows_tile,
+    split_tiles,
+    store_tile,
 )
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
+    dkdv_segment,
     launch_shape,
     pow2,
     shapes,
@@ -176,12 +188,9 @@ def _masked_dq_kernel(
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE."""
     b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
-    lse_rows = b * stride_lb + t64 * stride_lt + hq
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
-    gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + lse_rows, mask=row_ok, other=0.0)
+    q, do, gate, lse, delta = query_rows_tile(
+        Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
+        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
     bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
                            NUM_SELECTED, BLOCK_NSEL)
     every_bits, some_bits = _tile_masks(bits, row_ok)
@@ -213,20 +222,107 @@ def _masked_dq_kernel(
                     BLOCK_DK, ACCUMULATE)
 
 
+@triton.jit
+def _chosen_rows(IDX, b, h, t64, row_ok, block, stride_ib, stride_it, stride_ih,
+                 NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr):
+    """Per row, whether its position selected ``block`` (False for padding rows)."""
+    slot = tl.arange(0, BLOCK_NSEL)
+    blocks = tl.load(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih
+                     + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED),
+                     other=-1)
+    return tl.max((blocks == block).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _masked_dkdv_kernel(
+    Q, K, V, DO, GATE, LSE, DELTA, IDX, DK_OUT, DV_OUT,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    stride_dks, stride_dvs, T, H, SEGMENT, scale_log2, scale,
+    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """dK, dV of a tile of BLOCK_N keys of KV head h from the query tiles (P positions x G
+    heads) of one segment of SEGMENT positions (program axis 2) that come at or after it,
+    masked to the rows whose position selected the tile's block; segments write separate
+    partials. Program axis 0 is (b, h), so the first key tiles (the longest loops) start
+    first."""
+    P: tl.constexpr = BLOCK_R // G
+    pid_bh = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK_N
+    seg = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    block = start // SEL_BLOCK
+    s = start + tl.arange(0, BLOCK_N)
+    s64 = s.to(tl.int64)
+    k_ok = s < T
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
+    # Positions from start see some key of the tile, those from its last key on all of it.
+    t_lo = tl.maximum(start, seg * SEGMENT)
+    t_hi = tl.minimum(T, seg * SEGMENT + SEGMENT)
+    full_lo, full_hi, num_partial = split_tiles(t_lo, t_hi, tl.minimum(start + BLOCK_N, T) - 1,
+                                                t_hi, P)
+    r = tl.arange(0, BLOCK_R)
+    hq = h * G + r % G
+    acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # The rows that did not select the block load as padding rows (zeros, lse = +inf: p = 0),
+    # so a tile past the diagonal takes the plain products whichever rows selected it.
+    for i in range(0, num_partial):
+        t = partial_tile(i, t_lo, full_lo, full_hi, P) + r // G
+        chosen = _chosen_rows(IDX, b, h, t.to(tl.int64), (r < P * G) & (t < t_hi), block,
+                              stride_ib, stride_it, stride_ih, NUM_SELECTED, BLOCK_NSEL)
+        if tl.max(chosen.to(tl.int32), axis=0) > 0:
+            q, do, gate, lse, delta = query_rows_tile(
+                Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, chosen, stride_qb, stride_qt,
+                stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV,
+                BLOCK_DK, BLOCK_DV)
+            valid = chosen[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
+                                     scale_log2, IEEE, True)
+    for t_start in range(full_lo, full_hi, P):
+        t64 = (t_start + r // G).to(tl.int64)
+        chosen = _chosen_rows(IDX, b, h, t64, r < P * G, block, stride_ib, stride_it,
+                              stride_ih, NUM_SELECTED, BLOCK_NSEL)
+        if tl.max(chosen.to(tl.int32), axis=0) > 0:
+            q, do, gate, lse, delta = query_rows_tile(
+                Q, DO, GATE, LSE, DELTA, b, t64, hq, chosen, stride_qb, stride_qt, stride_qh,
+                stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
+                BLOCK_DV)
+            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
+                                     scale_log2, IEEE, False, False)
+    dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
+    dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
+    store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
+    store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)
+
+
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _launch(kind: str, q, k, v, idx, params: NSAParams):
-    """(grid, meta-parameters and launch options, key descriptors) of a masked kernel."""
+def _meta(kind: str, q, k, v, idx, params: NSAParams) -> dict:
+    """Meta-parameters and launch options of a masked kernel."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     R, launch = launch_shape(kind, G, max(Dk, Dv), q.element_size())
-    block_n = min(MAX_TILE, params.sel_block)
-    kd, vd, tma = descriptor_pair(k, v, [1, block_n, 1])
-    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R,
-                BLOCK_N=block_n, NUM_SELECTED=idx.shape[-1],
+    return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R,
+                BLOCK_N=min(MAX_TILE, params.sel_block), NUM_SELECTED=idx.shape[-1],
                 BLOCK_NSEL=pow2(idx.shape[-1], 1), SEL_BLOCK=params.sel_block,
-                IEEE=q.dtype == torch.float32, TMA=tma, **launch)
-    return (triton.cdiv(T, R // G), B * H), meta, kd, vd
+                IEEE=q.dtype == torch.float32, **launch)
+
+
+def _launch(kind: str, q, k, v, idx, params: NSAParams):
+    """(grid, meta-parameters and launch options, key descriptors) of the masked forward or
+    dq (one program per query tile)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    meta = _meta(kind, q, k, v, idx, params)
+    kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
+    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
 
 
 def masked_forward(q, k, v, idx, params: NSAParams, scale: float,
@@ -256,3 +352,29 @@ def masked_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params: NS
         *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2], scale * LOG2E, scale,
         ACCUMULATE=accumulate, **meta,
     )
+
+
+def masked_dkdv(q, k, v, idx, grad: BranchGrad, lse, delta, params: NSAParams, scale: float):
+    """dK, dV of the selected branch of fixed-length batches (in the dtypes of k and v): per key
+    tile, from the later query tiles, masked to the rows that selected its block; the queries
+    are split into segments where the key tiles alone would leave SMs idle (small B x H)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    meta = _meta("masked_dkdv", q, k, v, idx, params)
+    tiles = triton.cdiv(T, meta["BLOCK_N"])
+    segment = dkdv_segment(T, tiles * B * H, q.device, T)
+    segments = triton.cdiv(T, segment)
+    # One segment writes dK, dV in k's and v's dtypes; several write float32 partials.
+    single = segments == 1
+    dk = torch.empty(segments, *k.shape, dtype=k.dtype if single else torch.float32,
+                     device=q.device)
+    dv = torch.empty(segments, *v.shape, dtype=v.dtype if single else torch.float32,
+                     device=q.device)
+    _masked_dkdv_kernel[(B * H, tiles, segments)](
+        q, k, v, grad.do, grad.gate, lse, delta, idx, dk, dv, *strides(q), *strides(k),
+        *strides(v), *strides(idx), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
+        *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, segment, scale * LOG2E, scale,
+        **meta,
+    )
+    if single:
+        return dk[0], dv[0]
+    return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
