@@ -256,11 +256,13 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")
-def test_triton_gradients_are_bitwise_reproducible():
+@pytest.mark.parametrize("case", [GPU_CASES[4], GPU_CASES[2]], ids=["per-block", "masked"])
+def test_triton_gradients_are_bitwise_reproducible(case):
     """Two forward+backward runs on the same inputs give bitwise-identical outputs and
-    gradients: no float atomics, every reduction in a fixed order (G = 16, varlen, bf16, with
-    dK/dV lists long enough to be split into segments)."""
-    case, dtype = GPU_CASES[4], torch.bfloat16
+    gradients: no float atomics, every reduction in a fixed order. bf16; G = 16, varlen: the
+    selected dK/dV per block, its lists long enough to be split into segments; G = 8, B = 2,
+    T = 1000: the selected branch as masked attention, its dK/dV split into query segments."""
+    dtype = torch.bfloat16
     x, cu_seqlens = make_inputs(*case, dtype)
 
     def run():
