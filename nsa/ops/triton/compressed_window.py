@@ -40,11 +40,13 @@ from nsa.ops.triton.common import (
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
+    dkdv_buffers,
     dkdv_segment,
     launch_shape,
     pow2,
     shapes,
     strides,
+    sum_segments,
 )
 
 BLOCK_N = 64  # keys per step of the compressed and window kernels
@@ -346,12 +348,7 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     segment = dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
                            CMP_SEGMENT if mode == MODE_CMP else T)
     segments = triton.cdiv(T, segment)
-    # One segment writes dK, dV in k's and v's dtypes; several write float32 partials.
-    single = segments == 1
-    dk = torch.empty(segments, *k.shape, dtype=k.dtype if single else torch.float32,
-                     device=q.device)
-    dv = torch.empty(segments, *v.shape, dtype=v.dtype if single else torch.float32,
-                     device=q.device)
+    dk, dv = dkdv_buffers(k, v, segments)
     if mode == MODE_CMP:
         t_lo, t_hi = tables.cmp_t_lo, tables.cmp_t_hi
     else:
@@ -366,6 +363,4 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
             scale, BLOCK_R=R, TMA=tma, **meta, **launch,
         )
-    if single:
-        return dk[0], dv[0]
-    return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
+    return sum_segments(dk, dv, k, v)

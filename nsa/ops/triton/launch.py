@@ -28,7 +28,8 @@ TUNING = {
     "selected_fwd": dict(num_warps=1, num_stages=2),
     "selected_dq": dict(num_warps=2, num_stages=2),
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
-    # The selected forward and dq at short T as masked causal attention (selected_masked.py).
+    # The selected forward, dq and dK/dV at short T as masked causal attention
+    # (selected_masked.py).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=1),
     "masked_dq": dict(rows=128, num_warps=4, num_stages=1),
     "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
@@ -96,6 +97,22 @@ def dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> i
     write separate partials, summed in a fixed order."""
     wanted = triton.cdiv(2 * num_sms(device), max(programs, 1))
     return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
+
+
+def dkdv_buffers(k: torch.Tensor, v: torch.Tensor, segments: int):
+    """dK, dV outputs [segments, *shape] of such a kernel: in k's and v's dtypes for one
+    segment, float32 partials for several (``sum_segments`` adds them)."""
+    single = segments == 1
+    return tuple(torch.empty(segments, *x.shape, dtype=x.dtype if single else torch.float32,
+                             device=x.device) for x in (k, v))
+
+
+def sum_segments(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """dK, dV from ``dkdv_buffers``' outputs: the one segment, or the partials summed in a
+    fixed order, in k's and v's dtypes."""
+    if dk.shape[0] == 1:
+        return dk[0], dv[0]
+    return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
 
 
 def strides(x: torch.Tensor, n: int = 3):

@@ -46,11 +46,13 @@ from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     BranchGrad,
     descriptor_pair,
+    dkdv_buffers,
     dkdv_segment,
     launch_shape,
     pow2,
     shapes,
     strides,
+    sum_segments,
 )
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
@@ -363,18 +365,11 @@ def masked_dkdv(q, k, v, idx, grad: BranchGrad, lse, delta, params: NSAParams, s
     tiles = triton.cdiv(T, meta["BLOCK_N"])
     segment = dkdv_segment(T, tiles * B * H, q.device, T)
     segments = triton.cdiv(T, segment)
-    # One segment writes dK, dV in k's and v's dtypes; several write float32 partials.
-    single = segments == 1
-    dk = torch.empty(segments, *k.shape, dtype=k.dtype if single else torch.float32,
-                     device=q.device)
-    dv = torch.empty(segments, *v.shape, dtype=v.dtype if single else torch.float32,
-                     device=q.device)
+    dk, dv = dkdv_buffers(k, v, segments)
     _masked_dkdv_kernel[(B * H, tiles, segments)](
         q, k, v, grad.do, grad.gate, lse, delta, idx, dk, dv, *strides(q), *strides(k),
         *strides(v), *strides(idx), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
         *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, segment, scale * LOG2E, scale,
         **meta,
     )
-    if single:
-        return dk[0], dv[0]
-    return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
+    return sum_segments(dk, dv, k, v)
