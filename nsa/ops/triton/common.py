@@ -126,14 +126,21 @@ def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
 def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
                 PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold a tile of keys and values into the online softmax (m, l, acc) of the rows q. A
-    PARTIAL tile multiplies the finite part of v, then adds NaN to the rows that see a
-    non-finite value (in a full tile p · v makes them non-finite; m and l stay as there).
+    PARTIAL tile whose values are not all finite multiplies their finite part, then adds NaN
+    to the rows that see a non-finite one (in a full tile p · v makes them non-finite; m and l
+    stay as there); with finite values (nearly always) it takes the masked products alone.
     Without MASKED every pair counts (a full tile; its padding rows are never stored)."""
     qk = masked_products(q, k, valid, IEEE, MASKED)
     if PARTIAL:
-        v, v_poison = finite_part(v)
+        finite = tl.abs(v) < float("inf")
+        clean = tl.min(finite.to(tl.int32))  # 1: every value of the tile is finite
+        if clean == 0:
+            v = tl.where(finite, v, 0.0).to(v.dtype)
         m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
-        return m, l, acc + tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
+        if clean == 0:
+            v_poison = tl.sum(tl.where(finite, 0.0, float("nan")), axis=1)  # per key
+            acc += tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
+        return m, l, acc
     return softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
 
 
