@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from nsa.ops.triton import selected  # noqa: E402
 from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
+    kv_finite,
     masked_causal_selection,
     masked_dkdv,
     masked_dq,
@@ -171,7 +172,8 @@ def test_cases_cover_plain_masked_and_skipped_tiles():
 @pytest.mark.parametrize("poison", ["k", "v"])
 def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
     """A NaN key or value at token s: the output and dq of exactly the (position, head) rows
-    that see s (s <= t, s's block selected) are NaN; every other row stays finite."""
+    that see s (s <= t, s's block selected) are NaN; every other row stays finite (those of
+    KV head 1 through the launch for finite keys and values, head 0's through the other)."""
     case = CASES[3]
     (q, k, v, do), idx, params, _ = make_case(case, torch.float32, seed=3)
     s = 37  # block 2 of 16 tokens: selected by some positions after it, not by others
@@ -183,6 +185,20 @@ def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
     assert sees.any() and (~sees).any()
     assert o.isnan().any(-1).cpu().equal(sees)
     assert dq.isnan().any(-1).cpu().equal(sees)
+
+
+def test_kv_finite_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
+    """The flags that pick each program's path: 0 exactly where a key or value is NaN or
+    infinite, in any chunk of the finiteness kernel (the last one ragged: T = 70)."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 70, 3, 16, generator=gen)
+    v = torch.randn(2, 70, 3, 8, generator=gen)
+    k[1, 69, 2, 5] = float("inf")
+    v[0, 3, 1, 0] = float("nan")
+    v[1, 64, 0, 7] = float("-inf")
+    expected = torch.ones(2, 3, dtype=torch.int8)
+    expected[1, 2] = expected[0, 1] = expected[1, 0] = 0
+    assert kv_finite(k.to(DEVICE), v.to(DEVICE)).cpu().equal(expected)
 
 
 def test_a_nan_query_reaches_the_key_gradients_of_exactly_the_keys_it_sees():

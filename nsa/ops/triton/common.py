@@ -13,7 +13,8 @@ another packed sequence) would reach it through a tile both share. Only partial 
 masked pair of an in-range row and key (the diagonal, the window's lower edge, sequence
 boundaries, the ragged end of a range; padding rows and keys load as 0, and what they meet is
 never stored or already NaN). Each loop is split (``split_tiles``): its partial tiles first,
-which multiply only the ``finite_part`` of what masked pairs meet and keep dS only where
+which multiply only the ``finite_part`` of what masked pairs meet (unless one test per tile,
+``all_finite``, finds it all finite, as it nearly always is) and keep dS only where
 ``valid``, then its full tiles with the plain products (every pair valid). A partial tile
 gives each valid pair what a full tile gives it, with NaN for any non-finite input: a row
 that sees a non-finite value gets a NaN output, a row with a non-finite output gradient a NaN
@@ -86,6 +87,13 @@ def finite_part(x):
     finite = tl.abs(x) < float("inf")
     poison = tl.sum(tl.where(finite, 0.0, float("nan")), axis=1)
     return tl.where(finite, x, 0.0).to(x.dtype), poison
+
+
+@triton.jit
+def all_finite(x):
+    """1 when every entry of the tile x is finite, else 0: one test per tile lets a partial
+    tile skip the ``finite_part`` bookkeeping in the usual case."""
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
 
 
 @triton.jit
@@ -186,8 +194,8 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
             PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
-    """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
-    (a non-finite key already makes the dS of the pairs that see it NaN)."""
+    """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile with a non-finite key
+    multiplies k's finite part (that key already makes the dS of the pairs that see it NaN)."""
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
                               MASKED)
     if PARTIAL:
@@ -200,18 +208,19 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
               IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
     output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
-    PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
-    not finite poisons its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it
-    sees."""
+    PARTIAL tile where q, do or the gates are not all finite multiplies their finite parts; a
+    row whose do or gate is not finite poisons its log-sum-exp, so its p (and dS) are NaN
+    exactly on the pairs it sees."""
     q_mult = q
     do_mult = do
     gate_mult = gate
     if PARTIAL:
-        q_mult, _ = finite_part(q)
-        do_mult, do_poison = finite_part(do)
-        gate_ok = tl.abs(gate) < float("inf")
-        gate_mult = tl.where(gate_ok, gate, 0.0)
-        lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
+        if (all_finite(q) & all_finite(do) & all_finite(gate)) == 0:
+            q_mult, _ = finite_part(q)
+            do_mult, do_poison = finite_part(do)
+            gate_ok = tl.abs(gate) < float("inf")
+            gate_mult = tl.where(gate_ok, gate, 0.0)
+            lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
                               MASKED, gate_mult)
     acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)

@@ -30,8 +30,8 @@ TUNING = {
     "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
     # The selected forward, dq and dK/dV at short T as masked causal attention
     # (selected_masked.py).
-    "masked_fwd": dict(rows=128, num_warps=4, num_stages=1),
-    "masked_dq": dict(rows=128, num_warps=4, num_stages=1),
+    "masked_fwd": dict(rows=128, num_warps=4, num_stages=3),
+    "masked_dq": dict(rows=128, num_warps=4, num_stages=3),
     "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,

@@ -15,6 +15,16 @@ masked by position too. ``masked_causal_selection`` says when this runs: fixed-l
 whose blocks (a power of two >= 16 tokens) number at most 64 and at most 2n, so that the
 union of a tile's blocks stays close to the work each position asks for.
 
+Non-finite keys and values. A tile some rows selected meets, in its masked pairs, keys and
+values those rows must not see, and 0 · NaN is NaN (common.py, Masks); multiplying only the
+finite parts of each such tile, with the bookkeeping to poison the rows that do see a
+non-finite value, and branching around its products, made these kernels a third slower than
+one branch-free loop (bench/NOTES.md, v19). So ``kv_finite`` first marks each (batch, KV head)
+whose keys and values are all finite (nearly always all of them), and the forward and dq are
+launched twice, FINITE on and off, each running the programs of its flag and returning at
+once elsewhere: with FINITE, every tile takes its row mask alone, in one pipelined loop that
+also computes the tiles no row selected; without, tiles are skipped, plain or masked as above.
+
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``): it loops over the later query tiles, loading the rows whose
 position did not select the tile's block as padding rows (zeros, lse = +inf), so every tile
@@ -32,6 +42,7 @@ import triton.language as tl
 from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
     accumulate_tile,
+    all_finite,
     attend_tile,
     dkdv_tile,
     dq_tile,
@@ -57,6 +68,7 @@ from nsa.ops.triton.launch import (
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
+FINITE_ROWS = 64  # keys per step of the finiteness test
 
 
 def masked_causal_selection(T: int, params: NSAParams, packed: bool) -> bool:
@@ -125,8 +137,25 @@ def _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _kv_finite_kernel(K, V, OUT, T, H, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                      stride_vh, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr):
+    """OUT[b, h] = 0 (from 1) if a key or value of KV head h of batch b among this program's
+    BLOCK_T tokens is not finite; programs that find one store the same 0."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    s = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s64 = s.to(tl.int64)
+    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, s < T, DK, BLOCK_DK)
+    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, s < T, DV, BLOCK_DV)
+    if (all_finite(k) & all_finite(v)) == 0:
+        tl.store(OUT + pid, tl.zeros([], tl.int8))
+
+
+@triton.jit
 def _masked_fwd_kernel(
-    Q, K, V, KD, VD, IDX, O, LSE,
+    Q, K, V, KD, VD, IDX, KV_FINITE, O, LSE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -134,51 +163,65 @@ def _masked_fwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, FINITE: tl.constexpr,
 ):
     """O, LSE = the selected branch's output (float32) and log-sum-exp of this tile's rows;
     with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
-    O_CMP, O_WIN and OUT have O's layout)."""
+    O_CMP, O_WIN and OUT have O's layout). Runs the programs whose KV_FINITE flag equals
+    FINITE (module docstring)."""
     b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
-                           NUM_SELECTED, BLOCK_NSEL)
-    every_bits, some_bits = _tile_masks(bits, row_ok)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    # Tiles before the first position: causal for every row, masked by selection only.
-    full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, full_hi, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
-        if every:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                                  BLOCK_N, TMA)
-            m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
-        elif some:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                                  BLOCK_N, TMA)
-            m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE, True)
-    # Tiles on the diagonal: masked by position as well.
-    for start in range(full_hi, t_last + 1, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
-        if some:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
-                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                                  BLOCK_DV, BLOCK_N, False)
-            s = start + tl.arange(0, BLOCK_N)
-            valid = chosen[:, None] & (s[None, :] <= t64[:, None])
-            m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
-    store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t64, hq, T, H * G, m, l, acc,
-                        row_ok, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
-                        DV, BLOCK_DV, GATED)
+    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
+                      BLOCK_DK)
+        bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
+                               NUM_SELECTED, BLOCK_NSEL)
+        every_bits, some_bits = _tile_masks(bits, row_ok)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+        # Tiles before the first position: causal for every row, masked by selection only.
+        full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, full_hi, BLOCK_N):
+            chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
+                                                  SEL_BLOCK)
+            if FINITE:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
+                                        False)
+            elif every:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False,
+                                        False)
+            elif some:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
+                                        True)
+        # Tiles on the diagonal: masked by position as well.
+        for start in range(full_hi, t_last + 1, BLOCK_N):
+            chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
+                                                  SEL_BLOCK)
+            if some:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb,
+                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                      DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False)
+                s = start + tl.arange(0, BLOCK_N)
+                valid = chosen[:, None] & (s[None, :] <= t64[:, None])
+                m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE,
+                                        not FINITE)
+        store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t64, hq, T, H * G, m, l, acc,
+                            row_ok, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+                            scale_log2, DV, BLOCK_DV, GATED)
 
 
 @triton.jit
 def _masked_dq_kernel(
-    Q, K, V, KD, VD, IDX, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
+    Q, K, V, KD, VD, IDX, KV_FINITE, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -186,42 +229,55 @@ def _masked_dq_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
 ):
-    """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE."""
+    """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
+    the programs whose KV_FINITE flag equals FINITE (module docstring)."""
     b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
-    q, do, gate, lse, delta = query_rows_tile(
-        Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
-        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
-    bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
-                           NUM_SELECTED, BLOCK_NSEL)
-    every_bits, some_bits = _tile_masks(bits, row_ok)
-    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, full_hi, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
-        if every:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                                  BLOCK_N, TMA)
-            acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
-        elif some:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt, stride_kh,
-                                  stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                                  BLOCK_N, TMA)
-            acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE, True)
-    for start in range(full_hi, t_last + 1, BLOCK_N):
-        chosen, every, some = _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK)
-        if some:
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb, stride_kt,
-                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                                  BLOCK_DV, BLOCK_N, False)
-            s = start + tl.arange(0, BLOCK_N)
-            valid = chosen[:, None] & (s[None, :] <= t64[:, None])
-            acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
-    rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
-    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
-                    BLOCK_DK, ACCUMULATE)
+    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+        q, do, gate, lse, delta = query_rows_tile(
+            Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
+        bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
+                               NUM_SELECTED, BLOCK_NSEL)
+        every_bits, some_bits = _tile_masks(bits, row_ok)
+        acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+        full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, full_hi, BLOCK_N):
+            chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
+                                                  SEL_BLOCK)
+            if FINITE:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
+                              False)
+            elif every:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False,
+                              False)
+            elif some:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
+                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
+                acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
+                              True)
+        for start in range(full_hi, t_last + 1, BLOCK_N):
+            chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
+                                                  SEL_BLOCK)
+            if some:
+                k, v = key_value_tile(K, V, KD, VD, b, h, start, t_last + 1, stride_kb,
+                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                      DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False)
+                s = start + tl.arange(0, BLOCK_N)
+                valid = chosen[:, None] & (s[None, :] <= t64[:, None])
+                acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE,
+                              not FINITE)
+        rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
+        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
+                        BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
@@ -319,12 +375,25 @@ def _meta(kind: str, q, k, v, idx, params: NSAParams) -> dict:
 
 
 def _launch(kind: str, q, k, v, idx, params: NSAParams):
-    """(grid, meta-parameters and launch options, key descriptors) of the masked forward or
-    dq (one program per query tile)."""
+    """(grid, meta-parameters and launch options, key descriptors, ``kv_finite`` flags) of
+    the masked forward or dq (one program per query tile; each is launched twice, FINITE on
+    and off, module docstring)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _meta(kind, q, k, v, idx, params)
     kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
-    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
+    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd, kv_finite(k, v)
+
+
+def kv_finite(k, v) -> torch.Tensor:
+    """[B, H] int8: 1 where every key and value of the (batch, KV head) is finite, else 0, for
+    k [B, T, H, Dk] and v [B, T, H, Dv]; one kernel, no host sync."""
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    finite = torch.ones(B, H, dtype=torch.int8, device=k.device)
+    _kv_finite_kernel[(B * H, triton.cdiv(T, FINITE_ROWS))](
+        k, v, finite, T, H, *strides(k), *strides(v), DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk),
+        BLOCK_DV=pow2(Dv), BLOCK_T=FINITE_ROWS)
+    return finite
 
 
 def masked_forward(q, k, v, idx, params: NSAParams, scale: float,
@@ -334,12 +403,13 @@ def masked_forward(q, k, v, idx, params: NSAParams, scale: float,
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    grid, meta, kd, vd = _launch("masked_fwd", q, k, v, idx, params)
-    _masked_fwd_kernel[grid](
-        q, k, v, kd, vd, idx, o, lse, *strides(q), *strides(k), *strides(v), *strides(idx),
-        *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
-        **gated_sum_args(gated, o), **meta,
-    )
+    grid, meta, kd, vd, finite = _launch("masked_fwd", q, k, v, idx, params)
+    for finite_path in (True, False):
+        _masked_fwd_kernel[grid](
+            q, k, v, kd, vd, idx, finite, o, lse, *strides(q), *strides(k), *strides(v),
+            *strides(idx), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
+            **gated_sum_args(gated, o), FINITE=finite_path, **meta,
+        )
     return o, lse
 
 
@@ -347,13 +417,14 @@ def masked_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params: NS
               scale: float, *, accumulate=True, dq_out=None):
     """The selected branch's dq into ``dq_out`` (default ``dq``), added to ``dq`` when
     ``accumulate`` (``tables`` unused: the signature of selected.position_dq)."""
-    grid, meta, kd, vd = _launch("masked_dq", q, k, v, idx, params)
-    _masked_dq_kernel[grid](
-        q, k, v, kd, vd, idx, grad.do, grad.gate, lse, delta, dq,
-        dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v), *strides(idx),
-        *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2], scale * LOG2E, scale,
-        ACCUMULATE=accumulate, **meta,
-    )
+    grid, meta, kd, vd, finite = _launch("masked_dq", q, k, v, idx, params)
+    for finite_path in (True, False):
+        _masked_dq_kernel[grid](
+            q, k, v, kd, vd, idx, finite, grad.do, grad.gate, lse, delta, dq,
+            dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
+            *strides(idx), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
+            scale * LOG2E, scale, ACCUMULATE=accumulate, FINITE=finite_path, **meta,
+        )
 
 
 def masked_dkdv(q, k, v, idx, grad: BranchGrad, lse, delta, params: NSAParams, scale: float):
