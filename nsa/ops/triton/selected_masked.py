@@ -28,8 +28,9 @@ also computes the tiles no row selected; without, tiles are skipped, plain or ma
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``): it loops over the later query tiles, loading the rows whose
 position did not select the tile's block as padding rows (zeros, lse = +inf), so every tile
-past the diagonal takes the plain products and a tile no row selected is skipped; it needs no
-inverse index (the per-block kernel's sort). Each program writes its own keys' gradients, or
+past the diagonal takes the plain products, with no branch (a tile no row selected costs its
+products: skipping it made the loop slower, bench/NOTES.md, v19) and no test for non-finite
+values (a padding row holds none); it needs no inverse index (the per-block kernel's sort). Each program writes its own keys' gradients, or
 with small B x H a partial per segment of the queries, summed in order: deterministic.
 """
 
@@ -348,13 +349,12 @@ def _masked_dkdv_kernel(
         t64 = (t_start + r // G).to(tl.int64)
         chosen = _chosen_rows(IDX, b, h, t64, r < P * G, block, stride_ib, stride_it,
                               stride_ih, NUM_SELECTED, BLOCK_NSEL)
-        if tl.max(chosen.to(tl.int32), axis=0) > 0:
-            q, do, gate, lse, delta = query_rows_tile(
-                Q, DO, GATE, LSE, DELTA, b, t64, hq, chosen, stride_qb, stride_qt, stride_qh,
-                stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
-                BLOCK_DV)
-            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
-                                     scale_log2, IEEE, False, False)
+        q, do, gate, lse, delta = query_rows_tile(
+            Q, DO, GATE, LSE, DELTA, b, t64, hq, chosen, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
+            BLOCK_DV)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
+                                 scale_log2, IEEE, False, False)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
