@@ -13,8 +13,7 @@ another packed sequence) would reach it through a tile both share. Only partial 
 masked pair of an in-range row and key (the diagonal, the window's lower edge, sequence
 boundaries, the ragged end of a range; padding rows and keys load as 0, and what they meet is
 never stored or already NaN). Each loop is split (``split_tiles``): its partial tiles first,
-which multiply only the ``finite_part`` of what masked pairs meet (unless one test per tile,
-``all_finite``, finds it all finite, as it nearly always is) and keep dS only where
+which multiply only the ``finite_part`` of what masked pairs meet and keep dS only where
 ``valid``, then its full tiles with the plain products (every pair valid). A partial tile
 gives each valid pair what a full tile gives it, with NaN for any non-finite input: a row
 that sees a non-finite value gets a NaN output, a row with a non-finite output gradient a NaN
@@ -90,13 +89,6 @@ def finite_part(x):
 
 
 @triton.jit
-def all_finite(x):
-    """1 when every entry of the tile x is finite, else 0: one test per tile lets a partial
-    tile skip the ``finite_part`` bookkeeping in the usual case."""
-    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
-
-
-@triton.jit
 def split_tiles(lo, hi, seen_lo, seen_hi, STEP: tl.constexpr):
     """Split the tiles lo, lo + STEP, ... (those starting below hi) into full ones, inside
     [seen_lo, seen_hi) (every pair valid), and partial ones -> (full_lo, full_hi, num_partial):
@@ -134,21 +126,14 @@ def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
 def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
                 PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold a tile of keys and values into the online softmax (m, l, acc) of the rows q. A
-    PARTIAL tile whose values are not all finite multiplies their finite part, then adds NaN
-    to the rows that see a non-finite one (in a full tile p · v makes them non-finite; m and l
-    stay as there); with finite values (nearly always) it takes the masked products alone.
+    PARTIAL tile multiplies the finite part of v, then adds NaN to the rows that see a
+    non-finite value (in a full tile p · v makes them non-finite; m and l stay as there).
     Without MASKED every pair counts (a full tile; its padding rows are never stored)."""
     qk = masked_products(q, k, valid, IEEE, MASKED)
     if PARTIAL:
-        finite = tl.abs(v) < float("inf")
-        clean = tl.min(finite.to(tl.int32))  # 1: every value of the tile is finite
-        if clean == 0:
-            v = tl.where(finite, v, 0.0).to(v.dtype)
+        v, v_poison = finite_part(v)
         m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
-        if clean == 0:
-            v_poison = tl.sum(tl.where(finite, 0.0, float("nan")), axis=1)  # per key
-            acc += tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
-        return m, l, acc
+        return m, l, acc + tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
     return softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
 
 
@@ -194,8 +179,8 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
             PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
-    """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile with a non-finite key
-    multiplies k's finite part (that key already makes the dS of the pairs that see it NaN)."""
+    """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
+    (a non-finite key already makes the dS of the pairs that see it NaN)."""
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
                               MASKED)
     if PARTIAL:
@@ -208,19 +193,18 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
               IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
     output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
-    PARTIAL tile where q, do or the gates are not all finite multiplies their finite parts; a
-    row whose do or gate is not finite poisons its log-sum-exp, so its p (and dS) are NaN
-    exactly on the pairs it sees."""
+    PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
+    not finite poisons its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it
+    sees."""
     q_mult = q
     do_mult = do
     gate_mult = gate
     if PARTIAL:
-        if (all_finite(q) & all_finite(do) & all_finite(gate)) == 0:
-            q_mult, _ = finite_part(q)
-            do_mult, do_poison = finite_part(do)
-            gate_ok = tl.abs(gate) < float("inf")
-            gate_mult = tl.where(gate_ok, gate, 0.0)
-            lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
+        q_mult, _ = finite_part(q)
+        do_mult, do_poison = finite_part(do)
+        gate_ok = tl.abs(gate) < float("inf")
+        gate_mult = tl.where(gate_ok, gate, 0.0)
+        lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
                               MASKED, gate_mult)
     acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)

@@ -30,8 +30,9 @@ dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 position did not select the tile's block as padding rows (zeros, lse = +inf), so every tile
 past the diagonal takes the plain products, with no branch (a tile no row selected costs its
 products: skipping it made the loop slower, bench/NOTES.md, v19) and no test for non-finite
-values (a padding row holds none); it needs no inverse index (the per-block kernel's sort). Each program writes its own keys' gradients, or
-with small B x H a partial per segment of the queries, summed in order: deterministic.
+values (a padding row holds none); it needs no inverse index (the per-block kernel's sort).
+Each program writes its own keys' gradients, or with small B x H a partial per segment of
+the queries, summed in order: deterministic.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import triton.language as tl
 from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.triton.common import (
     accumulate_tile,
-    all_finite,
     attend_tile,
     dkdv_tile,
     dq_tile,
@@ -138,6 +138,12 @@ def _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _all_finite(x):
+    """1 when every entry of the tile x is finite, else 0."""
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
+
+
+@triton.jit
 def _kv_finite_kernel(K, V, OUT, T, H, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                       stride_vh, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                       BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -150,7 +156,7 @@ def _kv_finite_kernel(K, V, OUT, T, H, stride_kb, stride_kt, stride_kh, stride_v
     s64 = s.to(tl.int64)
     k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, s < T, DK, BLOCK_DK)
     v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, s < T, DV, BLOCK_DV)
-    if (all_finite(k) & all_finite(v)) == 0:
+    if (_all_finite(k) & _all_finite(v)) == 0:
         tl.store(OUT + pid, tl.zeros([], tl.int8))
 
 
