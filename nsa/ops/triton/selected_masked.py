@@ -23,7 +23,8 @@ one branch-free loop (bench/NOTES.md, v19). So ``kv_finite`` first marks each (b
 whose keys and values are all finite (nearly always all of them), and the forward and dq are
 launched twice, FINITE on and off, each running the programs of its flag and returning at
 once elsewhere: with FINITE, every tile takes its row mask alone, in one pipelined loop that
-also computes the tiles no row selected; without, tiles are skipped, plain or masked as above.
+also computes the tiles no row selected; without, tiles are skipped, plain or masked as above
+(loaded either way: loads outside the branches are pipelined).
 
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``): it loops over the later query tiles, loading the rows whose
@@ -191,22 +192,17 @@ def _masked_fwd_kernel(
         for start in range(0, full_hi, BLOCK_N):
             chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
                                                   SEL_BLOCK)
+            # Loaded whether or not a row selected the tile (pipelined; module docstring).
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, TMA)
             if FINITE:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
                                         False)
             elif every:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False,
                                         False)
             elif some:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
                                         True)
         # Tiles on the diagonal: masked by position as well.
@@ -253,22 +249,16 @@ def _masked_dq_kernel(
         for start in range(0, full_hi, BLOCK_N):
             chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
                                                   SEL_BLOCK)
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, TMA)  # as in the forward
             if FINITE:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
                               False)
             elif every:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False,
                               False)
             elif some:
-                k, v = key_value_tile(K, V, KD, VD, b, h, start, T, stride_kb, stride_kt,
-                                      stride_kh, stride_vb, stride_vt, stride_vh, DK, DV,
-                                      BLOCK_DK, BLOCK_DV, BLOCK_N, TMA)
                 acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
                               True)
         for start in range(full_hi, t_last + 1, BLOCK_N):
