@@ -49,15 +49,16 @@ def test_selection_kernel_spills_little_at_the_paper_shape():
 def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     """The selected forward and dq as masked causal attention (selected_masked.py) at the
     m7c-125m shape (G = 6, D = 64, l' = 64, n = 16, bf16, TMA) with the tuned launch (128
-    rows, 4 warps): they spill 520 B (forward) and 840 B (dq), and still ran faster on the
-    H100 than on 8 warps, which spill nothing (0.37 against >= 0.49 ms, 0.40 against >= 0.46
-    ms: bench/NOTES.md, v14). More must show: v15's first try, which scaled do by the gate as
-    it loaded it, took the dq to 1016 B and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
+    rows, 4 warps) of the programs whose keys and values are finite: they spilled 520 B
+    (forward) and 840 B (dq) in v14, and still ran faster on the H100 than on 8 warps, which
+    spill nothing (0.37 against >= 0.49 ms, 0.40 against >= 0.46 ms: bench/NOTES.md, v14);
+    v19's branch-free loop over 3 stages: 96 B and 696 B. More must show: v15's first try,
+    which scaled do by the gate as it loaded it, took the dq to 1016 B and 0.41 -> >= 0.51 ms
+    (bench/NOTES.md, v15)."""
     tuning = TUNING[f"masked_{kind}"]
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=tuning["rows"],
                      BLOCK_N=64, NUM_SELECTED=16, BLOCK_NSEL=16, SEL_BLOCK=64, IEEE=False,
-                     TMA=True)
-    constants["FINITE"] = True  # the launch that runs wherever keys and values are finite
+                     TMA=True, FINITE=True)
     if kind == "dq":
         constants["ACCUMULATE"] = True
     else:
