@@ -28,6 +28,7 @@ from nsa.ops.triton.selected_masked import (
     masked_dkdv,
     masked_dq,
     masked_forward,
+    masked_selection,
 )
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
@@ -58,6 +59,7 @@ def stages(B, T, HQ, H, D):
         return lambda: branch_backward(q, *kv, grad, lse, d, dq, layout, mode, PAPER, scale)
 
     masked = masked_causal_selection(T, PAPER, packed=False)
+    selection = masked_selection(idx, k, v) if masked else None
     return {
         "cmp_fwd": [("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale))],
         "win_fwd": [("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
@@ -65,7 +67,7 @@ def stages(B, T, HQ, H, D):
         "selected_fwd": [
             ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],
         "masked_fwd": [
-            ("slc+sum", lambda: masked_forward(q, k, v, idx, PAPER, scale, gated))]
+            ("slc+sum", lambda: masked_forward(q, k, v, selection, PAPER, scale, gated))]
         if masked else [],
         # dq and dK/dV run in one call: each family is tuned with the other at its default.
         "cmp_dq": [("cmp bwd", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP))],
@@ -75,9 +77,9 @@ def stages(B, T, HQ, H, D):
         "selected_dkdv": [("slc dkdv", lambda: selected_dkdv(
             q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale))],
         "masked_dq": [("slc dq", lambda: masked_dq(
-            q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))] if masked else [],
+            q, k, v, selection, g_slc, lse_slc, d_slc, dq, PAPER, scale))] if masked else [],
         "masked_dkdv": [("slc dkdv", lambda: masked_dkdv(
-            q, k, v, idx, g_slc, lse_slc, d_slc, PAPER, scale))] if masked else [],
+            q, k, v, selection, g_slc, lse_slc, d_slc, PAPER, scale))] if masked else [],
     }
 
 

@@ -57,14 +57,13 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     (bench/NOTES.md, v15)."""
     tuning = TUNING[f"masked_{kind}"]
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=tuning["rows"],
-                     BLOCK_N=64, NUM_SELECTED=16, BLOCK_NSEL=16, SEL_BLOCK=64, IEEE=False,
-                     TMA=True, FINITE=True)
+                     BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True)
     if kind == "dq":
         constants["ACCUMULATE"] = True
     else:
         constants["GATED"] = True  # the op's launch: the forward also writes the gated sum
     desc = "tensordesc<bf16[1, 64, 1, 64]>"
-    types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, IDX="*i32", KV_FINITE="*i8",
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, BITS="*i64", KV_FINITE="*i8",
                  O="*fp32", LSE="*fp32", DO="*bf16", GATE="*fp32", DELTA="*fp32", DQ_IN="*fp32",
                  DQ_OUT="*bf16", O_CMP="*fp32", O_WIN="*fp32", GATES="*bf16", OUT="*bf16",
                  scale_log2="fp32", scale="fp32")

@@ -19,6 +19,8 @@ from nsa.ops.triton.selected_masked import (  # noqa: E402
     masked_dkdv,
     masked_dq,
     masked_forward,
+    masked_selection,
+    selection_bits,
 )
 from nsa.ops.triton.tables import build_tables  # noqa: E402
 
@@ -102,12 +104,13 @@ def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
 def kernel_forward_backward(q, k, v, do, idx, params, scale, gate=None):
     """(o, lse, dq, dk, dv) of the masked kernels; the output gradient is gate · do (gate
     [B, T, HQ] float32, default 1)."""
-    o, lse = masked_forward(q, k, v, idx, params, scale)
+    selection = masked_selection(idx, k, v)
+    o, lse = masked_forward(q, k, v, selection, params, scale)
     grad = BranchGrad.ungated(do) if gate is None else BranchGrad(do, gate)
     delta = (do.float() * o).sum(-1)
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    masked_dq(q, k, v, idx, grad, lse, delta, dq, None, params, scale, accumulate=False)
-    dk, dv = masked_dkdv(q, k, v, idx, grad, lse, delta, params, scale)
+    masked_dq(q, k, v, selection, grad, lse, delta, dq, params, scale, accumulate=False)
+    dk, dv = masked_dkdv(q, k, v, selection, grad, lse, delta, params, scale)
     return o, lse, dq, dk, dv
 
 
@@ -185,6 +188,23 @@ def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
     assert sees.any() and (~sees).any()
     assert o.isnan().any(-1).cpu().equal(sees)
     assert dq.isnan().any(-1).cpu().equal(sees)
+
+
+def test_selection_bits_hold_each_rows_blocks():
+    """One int64 word per (batch, position, KV head): bit j set exactly when block j is among
+    the row's slots (-1 unused; block 63 is the sign bit), for n not a power of two."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.full((2, 5, 3, 3), -1, dtype=torch.int32)
+    for row in idx.view(-1, 3):
+        count = int(torch.randint(0, 4, (1,), generator=gen))
+        row[:count] = torch.randperm(64, generator=gen)[:count].to(torch.int32)
+    idx[0, 0, 0] = torch.tensor([63, 0, -1], dtype=torch.int32)
+    expected = torch.zeros(2, 5, 3, dtype=torch.int64)
+    for i, row in enumerate(idx.view(-1, 3)):
+        for block in row.tolist():
+            if block >= 0:
+                expected.view(-1)[i] |= (1 << block) - (1 << 64 if block == 63 else 0)
+    assert selection_bits(idx.to(DEVICE)).cpu().equal(expected)
 
 
 def test_kv_finite_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_value():

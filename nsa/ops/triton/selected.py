@@ -56,6 +56,7 @@ from nsa.ops.triton.selected_masked import (
     masked_dkdv,
     masked_dq,
     masked_forward,
+    masked_selection,
 )
 from nsa.ops.triton.tables import KernelTables, i32
 
@@ -382,7 +383,7 @@ def selected_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None
     where ``masked_causal_selection`` says so (selected_masked.py), else per position. With
     ``gated`` (the branch runs last), the kernel also writes gated.out = Σ g_i o_i."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        return masked_forward(q, k, v, idx, params, scale, gated)
+        return masked_forward(q, k, v, masked_selection(idx, k, v), params, scale, gated)
     return position_forward(q, k, v, idx, tables, params, scale, gated)
 
 
@@ -445,9 +446,10 @@ def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, pa
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
     ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        masked_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,
+        selection = masked_selection(idx, k, v)
+        masked_dq(q, k, v, selection, grad, lse, delta, dq, params, scale,
                   accumulate=accumulate, dq_out=dq_out)
-        return masked_dkdv(q, k, v, idx, grad, lse, delta, params, scale)
+        return masked_dkdv(q, k, v, selection, grad, lse, delta, params, scale)
     position_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,
                 accumulate=accumulate, dq_out=dq_out)
     return selected_dkdv(q, k, v, idx, grad, lse, delta, tables, params, scale)

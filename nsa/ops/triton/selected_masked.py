@@ -7,7 +7,8 @@ blocks before it, so the branch is nearly causal attention; the per-position ker
 causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x G heads of one
 KV head (as in ``compressed_window.py``) and the keys are the causal range in tiles of
 ``BLOCK_N = min(64, l')`` tokens, aligned to selection blocks: whether a row selected a tile's
-block is one bit of its row mask (the OR of 1 << block over its slots; at most 64 blocks). A
+block is one bit of its row mask (the OR of 1 << block over its slots, ``selection_bits``,
+one word per (batch, position, KV head) computed once per call; at most 64 blocks). A
 tile every valid row selected takes the plain products (keys through TMA where the layout
 allows), a tile some rows selected is masked per row and multiplies finite parts only
 (common.py, Masks), a tile no row selected is skipped, and the tiles on the diagonal are
@@ -20,7 +21,8 @@ values those rows must not see, and 0 · NaN is NaN (common.py, Masks); multiply
 finite parts of each such tile, with the bookkeeping to poison the rows that do see a
 non-finite value, and branching around its products, made these kernels a third slower than
 one branch-free loop (bench/NOTES.md, v19). So ``kv_finite`` first marks each (batch, KV head)
-whose keys and values are all finite (nearly always all of them), and the forward and dq are
+whose keys and values are all finite (nearly always all of them; with the selection bits, once
+per forward and once per backward: ``masked_selection``), and the forward and dq are
 launched twice, FINITE on and off, each running the programs of its flag and returning at
 once elsewhere: with FINITE, every tile takes its row mask alone, in one pipelined loop that
 also computes the tiles no row selected; without, tiles are skipped, plain or masked as above
@@ -37,6 +39,8 @@ the queries, summed in order: deterministic.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,6 +75,7 @@ from nsa.ops.triton.launch import (
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
 FINITE_ROWS = 64  # keys per step of the finiteness test
+BITS_ROWS = 128  # rows per program of selection_bits
 
 
 def masked_causal_selection(T: int, params: NSAParams, packed: bool) -> bool:
@@ -107,16 +112,24 @@ def _tile_rows(T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
-                    NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr):
-    """Per row, the int64 mask of the blocks its position selected (slots of -1 are unused)."""
+def _selection_bits_kernel(IDX, BITS, N, NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr,
+                           ROWS: tl.constexpr):
+    """BITS[r] = the int64 mask of the blocks of IDX[r] (slots of -1 are unused), for ROWS of
+    the N flattened (batch, position, KV head) rows of a contiguous IDX [N, NUM_SELECTED]."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.arange(0, BLOCK_NSEL)
-    blocks = tl.load(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih
-                     + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED),
-                     other=-1)
+    blocks = tl.load(IDX + r.to(tl.int64)[:, None] * NUM_SELECTED + slot[None, :],
+                     mask=(r[:, None] < N) & (slot[None, :] < NUM_SELECTED), other=-1)
     one = tl.full([1, 1], 1, tl.int64)
     bits = tl.where(blocks >= 0, one << tl.maximum(blocks, 0).to(tl.int64), 0)
-    return tl.reduce(bits, 1, _bit_or)
+    tl.store(BITS + r, tl.reduce(bits, 1, _bit_or), mask=r < N)
+
+
+@triton.jit
+def _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt):
+    """Per row (position t64 of batch b, KV head h), the mask of the blocks its position
+    selected (``selection_bits``); 0 for padding rows."""
+    return tl.load(BITS + b * stride_bb + t64 * stride_bt + h, mask=row_ok, other=0)
 
 
 @triton.jit
@@ -163,14 +176,14 @@ def _kv_finite_kernel(K, V, OUT, T, H, stride_kb, stride_kt, stride_kh, stride_v
 
 @triton.jit
 def _masked_fwd_kernel(
-    Q, K, V, KD, VD, IDX, KV_FINITE, O, LSE,
+    Q, K, V, KD, VD, BITS, KV_FINITE, O, LSE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_vb, stride_vt, stride_vh, stride_bb, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, FINITE: tl.constexpr,
 ):
     """O, LSE = the selected branch's output (float32) and log-sum-exp of this tile's rows;
@@ -181,8 +194,7 @@ def _masked_fwd_kernel(
     if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
-        bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
-                               NUM_SELECTED, BLOCK_NSEL)
+        bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
         every_bits, some_bits = _tile_masks(bits, row_ok)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
@@ -224,14 +236,14 @@ def _masked_fwd_kernel(
 
 @triton.jit
 def _masked_dq_kernel(
-    Q, K, V, KD, VD, IDX, KV_FINITE, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
+    Q, K, V, KD, VD, BITS, KV_FINITE, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_vb, stride_vt, stride_vh, stride_bb, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
@@ -241,8 +253,7 @@ def _masked_dq_kernel(
         q, do, gate, lse, delta = query_rows_tile(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
-        bits = _selection_bits(IDX, b, h, t64, row_ok, stride_ib, stride_it, stride_ih,
-                               NUM_SELECTED, BLOCK_NSEL)
+        bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
         every_bits, some_bits = _tile_masks(bits, row_ok)
         acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
@@ -278,27 +289,16 @@ def _masked_dq_kernel(
 
 
 @triton.jit
-def _chosen_rows(IDX, b, h, t64, row_ok, block, stride_ib, stride_it, stride_ih,
-                 NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr):
-    """Per row, whether its position selected ``block`` (False for padding rows)."""
-    slot = tl.arange(0, BLOCK_NSEL)
-    blocks = tl.load(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih
-                     + slot[None, :], mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED),
-                     other=-1)
-    return tl.max((blocks == block).to(tl.int32), axis=1) > 0
-
-
-@triton.jit
 def _masked_dkdv_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, IDX, DK_OUT, DV_OUT,
+    Q, K, V, DO, GATE, LSE, DELTA, BITS, DK_OUT, DV_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ib, stride_it, stride_ih,
+    stride_vb, stride_vt, stride_vh, stride_bb, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     stride_dks, stride_dvs, T, H, SEGMENT, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """dK, dV of a tile of BLOCK_N keys of KV head h from the query tiles (P positions x G
@@ -331,8 +331,9 @@ def _masked_dkdv_kernel(
     # so a tile past the diagonal takes the plain products whichever rows selected it.
     for i in range(0, num_partial):
         t = partial_tile(i, t_lo, full_lo, full_hi, P) + r // G
-        chosen = _chosen_rows(IDX, b, h, t.to(tl.int64), (r < P * G) & (t < t_hi), block,
-                              stride_ib, stride_it, stride_ih, NUM_SELECTED, BLOCK_NSEL)
+        rows_ok = (r < P * G) & (t < t_hi)
+        chosen = ((_row_bits(BITS, b, h, t.to(tl.int64), rows_ok, stride_bb, stride_bt)
+                   >> block) & 1) != 0
         if tl.max(chosen.to(tl.int32), axis=0) > 0:
             q, do, gate, lse, delta = query_rows_tile(
                 Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, chosen, stride_qb, stride_qt,
@@ -343,8 +344,8 @@ def _masked_dkdv_kernel(
                                      scale_log2, IEEE, True)
     for t_start in range(full_lo, full_hi, P):
         t64 = (t_start + r // G).to(tl.int64)
-        chosen = _chosen_rows(IDX, b, h, t64, r < P * G, block, stride_ib, stride_it,
-                              stride_ih, NUM_SELECTED, BLOCK_NSEL)
+        chosen = ((_row_bits(BITS, b, h, t64, r < P * G, stride_bb, stride_bt) >> block)
+                  & 1) != 0
         q, do, gate, lse, delta = query_rows_tile(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, chosen, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
@@ -360,24 +361,50 @@ def _masked_dkdv_kernel(
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _meta(kind: str, q, k, v, idx, params: NSAParams) -> dict:
+def _meta(kind: str, q, k, v, params: NSAParams) -> dict:
     """Meta-parameters and launch options of a masked kernel."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     R, launch = launch_shape(kind, G, max(Dk, Dv), q.element_size())
     return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R,
-                BLOCK_N=min(MAX_TILE, params.sel_block), NUM_SELECTED=idx.shape[-1],
-                BLOCK_NSEL=pow2(idx.shape[-1], 1), SEL_BLOCK=params.sel_block,
+                BLOCK_N=min(MAX_TILE, params.sel_block), SEL_BLOCK=params.sel_block,
                 IEEE=q.dtype == torch.float32, **launch)
 
 
-def _launch(kind: str, q, k, v, idx, params: NSAParams):
-    """(grid, meta-parameters and launch options, key descriptors, ``kv_finite`` flags) of
-    the masked forward or dq (one program per query tile; each is launched twice, FINITE on
-    and off, module docstring)."""
+def _launch(kind: str, q, k, v, params: NSAParams):
+    """(grid, meta-parameters and launch options, key descriptors) of the masked forward or
+    dq (one program per query tile; each is launched twice, FINITE on and off, module
+    docstring)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    meta = _meta(kind, q, k, v, idx, params)
+    meta = _meta(kind, q, k, v, params)
     kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
-    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd, kv_finite(k, v)
+    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
+
+
+class MaskedSelection(NamedTuple):
+    """What the masked kernels read of a selection, built once per forward and once per
+    backward (``masked_selection``): ``bits`` [B, T, H] int64 (``selection_bits``) and
+    ``kv_finite`` [B, H] int8 (``kv_finite`` of the branch's keys and values)."""
+
+    bits: torch.Tensor
+    kv_finite: torch.Tensor
+
+
+def masked_selection(idx, k, v) -> MaskedSelection:
+    """The selection idx [B, T, H, n] of keys k and values v as the masked kernels read it."""
+    return MaskedSelection(selection_bits(idx), kv_finite(k, v))
+
+
+def selection_bits(idx) -> torch.Tensor:
+    """[B, T, H] int64 (contiguous): per (batch, position, KV head), the OR of 1 << block over
+    the blocks of idx [B, T, H, n] (slots of -1 unused; at most MAX_BLOCKS blocks). The
+    kernels read one word per row where they read n slots before (bench/NOTES.md, v20)."""
+    idx = idx.contiguous()
+    bits = torch.empty(idx.shape[:3], dtype=torch.int64, device=idx.device)
+    N = bits.numel()
+    _selection_bits_kernel[(triton.cdiv(N, BITS_ROWS),)](
+        idx, bits, N, NUM_SELECTED=idx.shape[-1], BLOCK_NSEL=pow2(idx.shape[-1], 1),
+        ROWS=BITS_ROWS)
+    return bits
 
 
 def kv_finite(k, v) -> torch.Tensor:
@@ -392,50 +419,54 @@ def kv_finite(k, v) -> torch.Tensor:
     return finite
 
 
-def masked_forward(q, k, v, idx, params: NSAParams, scale: float,
+def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale: float,
                    gated: GatedSum | None = None):
     """Selected attention of fixed-length batches as masked causal attention -> (o, lse2);
     with ``gated``, the kernel also writes gated.out = Σ g_i o_i."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    grid, meta, kd, vd, finite = _launch("masked_fwd", q, k, v, idx, params)
+    grid, meta, kd, vd = _launch("masked_fwd", q, k, v, params)
+    bits, finite = selection
     for finite_path in (True, False):
         _masked_fwd_kernel[grid](
-            q, k, v, kd, vd, idx, finite, o, lse, *strides(q), *strides(k), *strides(v),
-            *strides(idx), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
+            q, k, v, kd, vd, bits, finite, o, lse, *strides(q), *strides(k), *strides(v),
+            *strides(bits, 2), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
             **gated_sum_args(gated, o), FINITE=finite_path, **meta,
         )
     return o, lse
 
 
-def masked_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params: NSAParams,
-              scale: float, *, accumulate=True, dq_out=None):
+def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta, dq,
+              params: NSAParams, scale: float, *, accumulate=True, dq_out=None):
     """The selected branch's dq into ``dq_out`` (default ``dq``), added to ``dq`` when
-    ``accumulate`` (``tables`` unused: the signature of selected.position_dq)."""
-    grid, meta, kd, vd, finite = _launch("masked_dq", q, k, v, idx, params)
+    ``accumulate``."""
+    grid, meta, kd, vd = _launch("masked_dq", q, k, v, params)
+    bits, finite = selection
     for finite_path in (True, False):
         _masked_dq_kernel[grid](
-            q, k, v, kd, vd, idx, finite, grad.do, grad.gate, lse, delta, dq,
+            q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
             dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
-            *strides(idx), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
+            *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
             scale * LOG2E, scale, ACCUMULATE=accumulate, FINITE=finite_path, **meta,
         )
 
 
-def masked_dkdv(q, k, v, idx, grad: BranchGrad, lse, delta, params: NSAParams, scale: float):
+def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
+                params: NSAParams, scale: float):
     """dK, dV of the selected branch of fixed-length batches (in the dtypes of k and v): per key
     tile, from the later query tiles, masked to the rows that selected its block; the queries
     are split into segments where the key tiles alone would leave SMs idle (small B x H)."""
+    bits = selection.bits
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    meta = _meta("masked_dkdv", q, k, v, idx, params)
+    meta = _meta("masked_dkdv", q, k, v, params)
     tiles = triton.cdiv(T, meta["BLOCK_N"])
     segment = dkdv_segment(T, tiles * B * H, q.device, T)
     segments = triton.cdiv(T, segment)
     dk, dv = dkdv_buffers(k, v, segments)
     _masked_dkdv_kernel[(B * H, tiles, segments)](
-        q, k, v, grad.do, grad.gate, lse, delta, idx, dk, dv, *strides(q), *strides(k),
-        *strides(v), *strides(idx), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
+        q, k, v, grad.do, grad.gate, lse, delta, bits, dk, dv, *strides(q), *strides(k),
+        *strides(v), *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
         *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, segment, scale * LOG2E, scale,
         **meta,
     )
