@@ -10,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from nsa.ops.triton.launch import TUNING  # noqa: E402
+from nsa.ops.triton.launch import TUNING, launch_shape  # noqa: E402
 from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
 
 needs_cuda_tools = pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build has no CUDA tools")
@@ -48,15 +48,15 @@ def test_selection_kernel_spills_little_at_the_paper_shape():
 @pytest.mark.parametrize("kind", ["fwd", "dq"])
 def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     """The selected forward and dq as masked causal attention (selected_masked.py) at the
-    m7c-125m shape (G = 6, D = 64, l' = 64, n = 16, bf16, TMA) with the tuned launch (128
-    rows, 4 warps) of the programs whose keys and values are finite: they spilled 520 B
+    m7c-125m shape (G = 6, D = 64, l' = 64, n = 16, bf16, TMA) with the tuned launch of the
+    programs whose keys and values are finite: at 128 rows and 4 warps they spilled 520 B
     (forward) and 840 B (dq) in v14, and still ran faster on the H100 than on 8 warps, which
     spill nothing (0.37 against >= 0.49 ms, 0.40 against >= 0.46 ms: bench/NOTES.md, v14);
-    v19's branch-free loop over 3 stages: 96 B and 696 B. More must show: v15's first try,
-    which scaled do by the gate as it loaded it, took the dq to 1016 B and 0.41 -> >= 0.51 ms
-    (bench/NOTES.md, v15)."""
-    tuning = TUNING[f"masked_{kind}"]
-    constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=tuning["rows"],
+    v19's branch-free loop over 3 stages: 96 B and 696 B; v20 launches 64 rows. More must
+    show: v15's first try, which scaled do by the gate as it loaded it, took the dq to 1016 B
+    and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
+    rows, launch = launch_shape(f"masked_{kind}", G=6, head_dim=64)
+    constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=rows,
                      BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True)
     if kind == "dq":
         constants["ACCUMULATE"] = True
@@ -68,5 +68,5 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
                  DQ_OUT="*bf16", O_CMP="*fp32", O_WIN="*fp32", GATES="*bf16", OUT="*bf16",
                  scale_log2="fp32", scale="fp32")
     kernel = "_masked_fwd_kernel" if kind == "fwd" else "_masked_dq_kernel"
-    assert sm90_stack(f"selected_masked.{kernel}", types, constants, tuning["num_warps"],
-                      tuning["num_stages"]) <= {"fwd": 640, "dq": 960}[kind]
+    assert sm90_stack(f"selected_masked.{kernel}", types, constants, launch["num_warps"],
+                      launch["num_stages"]) <= {"fwd": 640, "dq": 960}[kind]
