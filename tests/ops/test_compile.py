@@ -70,3 +70,28 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-5)
     for (name, _), g, e in zip(model.named_parameters(), grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_compiled_model_runs_the_registered_ops():
+    """Eager calls go around the dispatcher (launch.call_op); a trace must keep the registered
+    forward and backward ops as nodes of its graphs (not trace into their kernels)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets = {"forward": set(), "backward": set()}
+
+    def recorder(kind):
+        def compile_graph(graph_module, example_inputs):
+            targets[kind].update(node.target for node in graph_module.graph.nodes)
+            return graph_module
+        return compile_graph
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    config = replace_fields(
+        ModelConfig(), vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim_k=8, head_dim_v=8, max_seq_len=40, backend="triton", **SMALL)
+    model = LanguageModel(config).to(DEVICE)
+    tokens = torch.randint(0, 64, (1, 37), device=DEVICE)
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=backend)(tokens, tokens).backward()
+    assert torch.ops.nsa.attention_fwd.default in targets["forward"]
+    assert torch.ops.nsa.attention_bwd.default in targets["backward"]

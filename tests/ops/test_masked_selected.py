@@ -14,13 +14,11 @@ pytest.importorskip("triton")
 from nsa.ops.triton import selected  # noqa: E402
 from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
-    kv_finite,
     masked_causal_selection,
     masked_dkdv,
     masked_dq,
     masked_forward,
     masked_selection,
-    selection_bits,
 )
 from nsa.ops.triton.tables import build_tables  # noqa: E402
 
@@ -190,26 +188,31 @@ def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
     assert dq.isnan().any(-1).cpu().equal(sees)
 
 
-def test_selection_bits_hold_each_rows_blocks():
+def test_masked_selection_holds_each_rows_blocks():
     """One int64 word per (batch, position, KV head): bit j set exactly when block j is among
-    the row's slots (-1 unused; block 63 is the sign bit), for n not a power of two."""
+    the row's slots (-1 unused; block 63 is the sign bit), for n not a power of two, over more
+    than one chunk of positions of the kernel (the last one ragged: T = 70)."""
     gen = torch.Generator().manual_seed(0)
-    idx = torch.full((2, 5, 3, 3), -1, dtype=torch.int32)
+    idx = torch.full((2, 70, 3, 3), -1, dtype=torch.int32)
     for row in idx.view(-1, 3):
         count = int(torch.randint(0, 4, (1,), generator=gen))
         row[:count] = torch.randperm(64, generator=gen)[:count].to(torch.int32)
     idx[0, 0, 0] = torch.tensor([63, 0, -1], dtype=torch.int32)
-    expected = torch.zeros(2, 5, 3, dtype=torch.int64)
+    idx[1, 69, 2] = torch.tensor([5, -1, 40], dtype=torch.int32)
+    expected = torch.zeros(2, 70, 3, dtype=torch.int64)
     for i, row in enumerate(idx.view(-1, 3)):
         for block in row.tolist():
             if block >= 0:
                 expected.view(-1)[i] |= (1 << block) - (1 << 64 if block == 63 else 0)
-    assert selection_bits(idx.to(DEVICE)).cpu().equal(expected)
+    k, v = torch.randn(2, 70, 3, 16, generator=gen), torch.randn(2, 70, 3, 8, generator=gen)
+    selection = masked_selection(idx.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    assert selection.bits.cpu().equal(expected)
+    assert selection.kv_finite.cpu().equal(torch.ones(2, 3, dtype=torch.int8))
 
 
-def test_kv_finite_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
+def test_masked_selection_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
     """The flags that pick each program's path: 0 exactly where a key or value is NaN or
-    infinite, in any chunk of the finiteness kernel (the last one ragged: T = 70)."""
+    infinite, in any chunk of positions (the last one ragged: T = 70)."""
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2, 70, 3, 16, generator=gen)
     v = torch.randn(2, 70, 3, 8, generator=gen)
@@ -218,7 +221,10 @@ def test_kv_finite_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_valu
     v[1, 64, 0, 7] = float("-inf")
     expected = torch.ones(2, 3, dtype=torch.int8)
     expected[1, 2] = expected[0, 1] = expected[1, 0] = 0
-    assert kv_finite(k.to(DEVICE), v.to(DEVICE)).cpu().equal(expected)
+    idx = torch.zeros(2, 70, 3, 2, dtype=torch.int32)
+    selection = masked_selection(idx.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    assert selection.kv_finite.cpu().equal(expected)
+    assert selection.bits.cpu().eq(1).all()
 
 
 def test_a_nan_query_reaches_the_key_gradients_of_exactly_the_keys_it_sees():

@@ -19,7 +19,7 @@ import torch
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.gating import GatedSum, gate_backward
-from nsa.ops.triton.launch import BranchGrad, unit_stride
+from nsa.ops.triton.launch import BranchGrad, call_op, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
@@ -72,21 +72,25 @@ def _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win):
 
 
 # The op is registered with torch.library so torch.compile traces it as one opaque node (no
-# graph break) with shapes from the fake implementations. Block parameters travel as ints.
+# graph break) with shapes from the fake implementations; eager calls skip the dispatcher
+# (launch.call_op). Block parameters travel as ints.
 PARAM_NAMES = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "window", "num_init",
                "num_local")
 
 
-@torch.library.custom_op("nsa::attention_fwd", mutates_args=())
-def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor,
-                     v_cmp: torch.Tensor, gates: torch.Tensor, k_win: torch.Tensor,
-                     v_win: torch.Tensor, cu_seqlens: torch.Tensor | None, cmp_block: int,
-                     cmp_stride: int, sel_block: int, num_selected: int, window: int,
-                     num_init: int, num_local: int, scale: float) -> list[torch.Tensor]:
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cmp: torch.Tensor,
+                  v_cmp: torch.Tensor, gates: torch.Tensor, k_win: torch.Tensor,
+                  v_win: torch.Tensor, cu_seqlens: torch.Tensor | None, cmp_block: int,
+                  cmp_stride: int, sel_block: int, num_selected: int, window: int,
+                  num_init: int, num_local: int, scale: float) -> list[torch.Tensor]:
+    """The op's forward -> [out, then what the backward reads (``_forward``)]."""
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
     tensors = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return list(_forward(*tensors, params, scale, cu_seqlens))
+
+
+attention_fwd_op = torch.library.custom_op("nsa::attention_fwd", attention_fwd, mutates_args=())
 
 
 @attention_fwd_op.register_fake
@@ -101,20 +105,23 @@ def _(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, cmp_block, cmp_str
             torch.empty_like(branch_out), lse, torch.empty_like(lse), torch.empty_like(lse)]
 
 
-@torch.library.custom_op("nsa::attention_bwd", mutates_args=())
-def attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
-                     k_win: torch.Tensor, v_win: torch.Tensor, idx: torch.Tensor,
-                     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-                     lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor,
-                     cu_seqlens: torch.Tensor | None, cmp_block: int, cmp_stride: int,
-                     sel_block: int, num_selected: int, window: int, num_init: int,
-                     num_local: int, scale: float) -> list[torch.Tensor]:
+def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
+                  k_win: torch.Tensor, v_win: torch.Tensor, idx: torch.Tensor,
+                  o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+                  lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None, cmp_block: int, cmp_stride: int,
+                  sel_block: int, num_selected: int, window: int, num_init: int,
+                  num_local: int, scale: float) -> list[torch.Tensor]:
+    """The op's backward -> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win)."""
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
     inputs = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp,
                           lse_slc, lse_win, params, scale, cu_seqlens))
+
+
+attention_bwd_op = torch.library.custom_op("nsa::attention_bwd", attention_bwd, mutates_args=())
 
 
 @attention_bwd_op.register_fake
@@ -123,30 +130,31 @@ def _(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved_and_params):
 
 
 class _AttentionFunction(torch.autograd.Function):
-    """The op's autograd: the forward op, then the backward op on what it saved. A plain
-    autograd.Function rather than torch.library's ``register_autograd``: it issues about
-    0.5 ms less host work per forward+backward on the GPU machine's host (bench/NOTES.md, v11),
-    and torch.compile traces it with the two ops as opaque nodes."""
+    """The op's autograd: the forward op, then the backward op on what it saved (through
+    ``call_op``: the registered ops under torch.compile, which traces them as opaque nodes;
+    their functions in eager). A plain autograd.Function rather than torch.library's
+    ``register_autograd``: it issues about 0.5 ms less host work per forward+backward on the
+    GPU machine's host (bench/NOTES.md, v11)."""
 
     @staticmethod
     def forward(ctx, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, values, scale):
-        out, *saved = attention_fwd_op(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens,
-                                       *values, scale)
+        out, *saved = call_op(attention_fwd_op, attention_fwd, q, k, v, k_cmp, v_cmp, gates,
+                              k_win, v_win, cu_seqlens, *values, scale)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, *saved)
         ctx.cu_seqlens, ctx.values, ctx.scale = cu_seqlens, values, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = attention_bwd_op(grad_out, *ctx.saved_tensors, ctx.cu_seqlens, *ctx.values,
-                                 ctx.scale)
+        grads = call_op(attention_bwd_op, attention_bwd, grad_out, *ctx.saved_tensors,
+                        ctx.cu_seqlens, *ctx.values, ctx.scale)
         return (*grads, None, None, None)
 
 
-@torch.library.custom_op("nsa::select", mutates_args=())
-def select_op(q: torch.Tensor, k_cmp: torch.Tensor, cu_seqlens: torch.Tensor | None,
-              cmp_block: int, cmp_stride: int, sel_block: int, num_selected: int, num_init: int,
-              num_local: int, scale: float) -> torch.Tensor:
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                  cmp_block: int, cmp_stride: int, sel_block: int, num_selected: int, num_init: int,
+                  num_local: int, scale: float) -> torch.Tensor:
+    """The blocks each position selects -> [B, T, H, n] int64 (``nsa_select``)."""
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, num_init=num_init,
                        num_local=num_local)
     q, k_cmp = q.contiguous(), k_cmp.contiguous()
@@ -154,6 +162,9 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, cu_seqlens: torch.Tensor | N
     # Only the log-sum-exp of the compressed branch is needed; its output is discarded.
     _, lse = branch_forward(q, k_cmp, k_cmp[..., :1], tables, MODE_CMP, params, scale)
     return select(q, k_cmp, lse, tables, params, scale).long()
+
+
+select_op = torch.library.custom_op("nsa::select", select_blocks, mutates_args=())
 
 
 @select_op.register_fake
@@ -171,5 +182,6 @@ def nsa_attention_triton(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSA
 
 
 def nsa_select_triton(q, k_cmp, params: NSAParams, scale: float, cu_seqlens=None):
-    return select_op(q, k_cmp, cu_seqlens, params.cmp_block, params.cmp_stride, params.sel_block,
-                     params.num_selected, params.num_init, params.num_local, scale)
+    return call_op(select_op, select_blocks, q, k_cmp, cu_seqlens, params.cmp_block,
+                   params.cmp_stride, params.sel_block, params.num_selected, params.num_init,
+                   params.num_local, scale)

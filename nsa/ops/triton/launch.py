@@ -61,6 +61,14 @@ class BranchGrad(NamedTuple):
         return cls(do, torch.ones(do.shape[:-1], dtype=torch.float32, device=do.device))
 
 
+def call_op(op, impl, *args):
+    """``impl(*args)`` through its torch.library registration ``op`` while torch.compile traces
+    (the graph keeps it as one opaque node, shapes from its fake implementation), directly
+    otherwise: the dispatcher's path into a Python op costs the host 0.03-0.4 ms per call on
+    the GPU machine, more than a kernel launch (bench/NOTES.md, v20)."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+
 def pow2(x: int, minimum: int = 16) -> int:
     """The tile size of a dimension of x: the next power of two, at least ``minimum``."""
     return max(minimum, triton.next_power_of_2(x))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.launch import pow2, unit_stride
+from nsa.ops.triton.launch import call_op, pow2, unit_stride
 
 ROPE_ROWS = 32  # (b, t, head) rows per program
 
@@ -59,9 +59,12 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: in
     return out
 
 
-@torch.library.custom_op("nsa::rope", mutates_args=())
-def rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x rotated by the angles of cos/sin, or by their opposites if ``inverse``."""
     return _rope_launch(unit_stride(x), cos, sin, -1 if inverse else 1)
+
+
+rope_op = torch.library.custom_op("nsa::rope", rope, mutates_args=())
 
 
 @rope_op.register_fake
@@ -76,12 +79,12 @@ class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return rope_op(x, cos, sin, False)
+        return call_op(rope_op, rope, x, cos, sin, False)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return rope_op(grad, cos, sin, True), None, None
+        return call_op(rope_op, rope, grad, cos, sin, True), None, None
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
