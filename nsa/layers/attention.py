@@ -19,7 +19,7 @@ from nsa.layers.cache import (
 )
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
-from nsa.layers.rope import RotaryFrequencies, apply_rope, rope_angles, rotate
+from nsa.layers.rope import RotaryFrequencies, apply_rope, rope_angles, rotate, rotate_many
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
@@ -154,15 +154,19 @@ class NSAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, dim] at ``positions`` ([T] or [B, T]) -> q [B, T, HQ, Dk]; the compressor's
-        un-rotated inputs (k_src, v_src); rotated (k_slc, v_slc, k_win, v_win), [B, T, H, D];
-        the gates [B, T, HQ, 3]."""
+        un-rotated inputs (k_src, v_src); (k_slc, v_slc, k_win, v_win), [B, T, H, D]; the gates
+        [B, T, HQ, 3]. q, k_slc and k_win are rotated together (one kernel on CUDA, forward and
+        backward); with one shared K/V set, k_win is k_slc."""
         angles = rope_angles(positions, self.rope.inv_freq)
         q, kv, gates = self._projections(x)
         (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = split_kv_sets(kv,
                                                                        self.config.head_dim_k)
-        k_slc = rotate(k_slc, *angles)
-        k_win = k_slc if self.num_kv_sets == 1 else rotate(k_win, *angles)
-        return rotate(q, *angles), k_src, v_src, k_slc, v_slc, k_win, v_win, gates
+        if self.num_kv_sets == 3:
+            q, k_slc, k_win = rotate_many((q, k_slc, k_win), *angles)
+        else:
+            q, k_slc = rotate_many((q, k_slc), *angles)
+            k_win = k_slc
+        return q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, index: torch.Tensor,
                   first: torch.Tensor | None = None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -44,13 +46,35 @@ def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by the angles of
-    :func:`rope_angles`, in float32, the result in x's dtype: one Triton kernel (forward and
-    backward) for CUDA tensors where Triton is installed, :func:`rotate_torch` otherwise."""
-    if x.is_cuda and TRITON_AVAILABLE and x.dtype in ROPE_TRITON_DTYPES:
-        from nsa.ops.triton.rope import rope_triton
+    :func:`rope_angles`: :func:`rotate_many` of one tensor."""
+    return rotate_many((x,), cos, sin)[0]
 
-        return rope_triton(x, cos, sin)
-    return rotate_torch(x, cos, sin)
+
+def rotate_many(xs: Sequence[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rotate channel pairs (i, i + D/2) of each x [B, T, heads_x, D] of ``xs`` (one B, T, D,
+    dtype and device; heads may differ; any strides, e.g. views of one projection) by the same
+    angles of :func:`rope_angles` (cos, sin [B or 1, T, 1, D/2] float32), in float32, each
+    result in x's dtype. For CUDA tensors where Triton is installed: one autograd node and one
+    kernel launch, forward and backward, for up to three tensors (a layer's queries and keys:
+    eager training is host-bound, and each launch costs the host more than the rotation costs
+    the GPU); :func:`rotate_torch` on each otherwise."""
+    xs = tuple(xs)
+    if not xs:
+        raise ValueError("rotate_many needs at least one tensor")
+    x = xs[0]
+    for other in xs[1:]:
+        if (other.shape[:2] != x.shape[:2] or other.shape[-1] != x.shape[-1]
+                or other.dtype != x.dtype or other.device != x.device):
+            raise ValueError(
+                "rotate_many's tensors must agree in B, T, D, dtype and device, got "
+                f"{tuple(x.shape)} {x.dtype} {x.device} and "
+                f"{tuple(other.shape)} {other.dtype} {other.device}")
+    if x.is_cuda and TRITON_AVAILABLE and x.dtype in ROPE_TRITON_DTYPES:
+        from nsa.ops.triton.rope import rope_triton_many
+
+        return rope_triton_many(xs, cos, sin)
+    return tuple(rotate_torch(x, cos, sin) for x in xs)
 
 
 def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

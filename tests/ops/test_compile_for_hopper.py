@@ -154,7 +154,7 @@ def decode_step_in_chunks(dtype):
 def append_and_rope(dtype, sets):
     from nsa.layers.rope import rope_angles, rope_frequencies
     from nsa.ops.triton.cache_append import append_kv_triton
-    from nsa.ops.triton.rope import rope_triton
+    from nsa.ops.triton.rope import rope_triton_many
 
     B, H, D, capacity = 2, 2, 16, 40
     pos = torch.tensor([3, 17])
@@ -164,7 +164,7 @@ def append_and_rope(dtype, sets):
         caches[2:4] = [None, None]
     append_kv_triton(torch.randn(B, 1, sets, H, 2 * D).to(dtype), cos, sin, pos, *caches)
     x = torch.randn(B, 1, H, D, dtype=dtype, requires_grad=True)
-    rope_triton(x, cos, sin).float().sum().backward()
+    rope_triton_many([x], cos, sin)[0].float().sum().backward()
 
 
 def everything():

@@ -1,19 +1,28 @@
-"""The Triton RoPE kernel (nsa/ops/triton/rope.py) equals the PyTorch rotation, forward and
-backward: strided inputs as the layer passes them, angles per sequence or shared, a head dim
-whose half is not a power of two, and the op passes opcheck. On a machine without CUDA it runs
-in Triton's interpreter."""
+"""The Triton RoPE kernel (nsa/ops/triton/rope.py), which rotates up to three tensors in one
+launch, equals the PyTorch rotation of each, forward and backward: strided views of one
+projection as the layer passes them, heads that differ per tensor, angles per sequence or
+shared, a head dim whose half is not a power of two, an output left out of the loss; the
+inverse undoes it, the op passes opcheck, and NSAttention rotates its queries and keys in one
+call. ``rotate_many`` refuses tensors that disagree. On a machine without CUDA it runs in
+Triton's interpreter."""
+
+from unittest import mock
 
 import pytest
 import torch
 
-from nsa.layers.rope import rope_angles, rope_frequencies, rotate_torch
+import nsa.layers.attention
+from nsa.config_tree import replace_fields
+from nsa.layers import AttentionConfig, NSAttention
+from nsa.layers.rope import rope_angles, rope_frequencies, rotate_many, rotate_torch
 
 pytest.importorskip("triton")
 
-from nsa.ops.triton.rope import rope_op, rope_triton  # noqa: E402
+from nsa.ops.triton.rope import rope_op, rope_triton_many  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+HEADS = (3, 1, 2)  # heads of the first, second and third tensor
 
 
 def angles(B_angles, T, D, seed=0):
@@ -22,40 +31,136 @@ def angles(B_angles, T, D, seed=0):
     return rope_angles(positions.to(DEVICE), rope_frequencies(D, 10000.0, DEVICE))
 
 
+def projection(B, T, heads, D, dtype, seed=1):
+    """A base tensor [B, T, sum(heads) + 1, D + 4] and a function of a leaf of it -> its
+    strided views [B, T, heads_k, D] (as the layer's q, k_slc, k_win of one projection)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, T, sum(heads) + 1, D + 4, generator=g).to(DEVICE, dtype)
+    starts = [1 + sum(heads[:k]) for k in range(len(heads))]  # head 0 is never read
+
+    def views(leaf):
+        return [leaf[:, :, s:s + h, 2:2 + D] for s, h in zip(starts, heads)]
+
+    return base, views
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B_angles", [1, 2], ids=["shared-angles", "per-sequence"])
 @pytest.mark.parametrize("D", [16, 10])
-def test_triton_rope_equals_torch_forward_and_backward(D, B_angles, dtype):
-    B, T, heads = 2, 7, 3
-    g = torch.Generator().manual_seed(1)
-    # A strided view, as the layer's keys: [B, T, 2, heads, D + 4] -> [..., :D] of set 1.
-    base = torch.randn(B, T, 2, heads, D + 4, generator=g).to(DEVICE, dtype)
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_triton_rope_equals_torch_forward_and_backward(count, D, B_angles, dtype):
+    B, T, heads = 2, 7, HEADS[:count]
+    base, views = projection(B, T, heads, D, dtype)
     cos, sin = angles(B_angles, T, D)
-    grad = torch.randn(B, T, heads, D, generator=g).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(B, T, h, D, generator=g).to(DEVICE, dtype) for h in heads]
 
-    def run(fn):
+    def run(rotate):
         leaf = base.clone().requires_grad_()
-        out = fn(leaf[:, :, 1, :, :D], cos, sin)
-        (x_grad,) = torch.autograd.grad(out, leaf, grad)
-        return out, x_grad
+        outs = rotate(views(leaf))
+        (leaf_grad,) = torch.autograd.grad(outs, leaf, grads)
+        return outs, leaf_grad
 
-    out, x_grad = run(rope_triton)
-    ref, ref_grad = run(rotate_torch)
-    assert out.dtype == dtype and out.shape == (B, T, heads, D)
+    outs, leaf_grad = run(lambda xs: rope_triton_many(xs, cos, sin))
+    refs, ref_grad = run(lambda xs: [rotate_torch(x, cos, sin) for x in xs])
     tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(out, ref, **tol)
-    torch.testing.assert_close(x_grad, ref_grad, **tol)
-    assert x_grad[:, :, 0].abs().sum() == 0  # the other set gets no gradient
+    assert len(outs) == count
+    for out, ref, h in zip(outs, refs, heads):
+        assert out.dtype == dtype and out.shape == (B, T, h, D) and out.is_contiguous()
+        torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(leaf_grad, ref_grad, **tol)
+    assert leaf_grad[:, :, 0].abs().sum() == 0  # the head no view reads gets no gradient
+
+
+def test_an_output_left_out_of_the_loss_leaves_the_others_grads_right():
+    B, T, D = 2, 5, 16
+    base, views = projection(B, T, HEADS, D, torch.float32)
+    cos, sin = angles(2, T, D)
+
+    def grad_of(rotate):
+        leaf = base.clone().requires_grad_()
+        outs = rotate(views(leaf))
+        loss = outs[0].square().sum() + (outs[2] * torch.arange(D, device=DEVICE)).sum()
+        return torch.autograd.grad(loss, leaf)[0]  # outs[1]'s gradient: zeros
+
+    grad = grad_of(lambda xs: rope_triton_many(xs, cos, sin))
+    ref = grad_of(lambda xs: [rotate_torch(x, cos, sin) for x in xs])
+    torch.testing.assert_close(grad, ref, rtol=0, atol=1e-5)
+    assert grad[:, :, 1 + HEADS[0]:1 + HEADS[0] + HEADS[1]].abs().sum() == 0
 
 
 def test_inverse_rope_undoes_rope():
-    x = torch.randn(1, 5, 2, 8).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 5, h, 8, generator=g).to(DEVICE) for h in HEADS]
     cos, sin = angles(1, 5, 8)
-    back = rope_op(rope_op(x, cos, sin, False), cos, sin, True)
-    torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+    back = rope_op(rope_op(xs, cos, sin, False), cos, sin, True)
+    for x, x_back in zip(xs, back):
+        torch.testing.assert_close(x_back, x, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_op_passes_opcheck():
-    x = torch.randn(2, 3, 2, 8).to(DEVICE)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 3, h, 8, generator=g).to(DEVICE) for h in (2, 1)]
     cos, sin = angles(2, 3, 8)
-    torch.library.opcheck(rope_op, (x, cos, sin, False))
+    torch.library.opcheck(rope_op, (xs, cos, sin, False))
+
+
+@pytest.mark.parametrize("kv_sharing", ["independent", "shared"])
+def test_layer_rotates_its_queries_and_keys_in_one_call(kv_sharing):
+    """NSAttention through the kernel (one call: q, k_slc and k_win, or q and the shared k)
+    equals the layer through PyTorch, output and parameter gradients."""
+    config = replace_fields(AttentionConfig(), dim=32, num_heads=4, num_kv_heads=2,
+                            head_dim_k=8, head_dim_v=8, cmp_block=4, cmp_stride=2,
+                            sel_block=8, num_selected=3, window=6, kv_sharing=kv_sharing)
+    torch.manual_seed(0)
+    layer = NSAttention(config).to(DEVICE)
+    x = torch.randn(2, 11, 32, device=DEVICE)
+    calls = []
+
+    def through_kernel(xs, cos, sin):
+        calls.append([t.shape[2] for t in xs])
+        return rope_triton_many(xs, cos, sin)
+
+    def run():
+        layer.zero_grad()
+        out = layer(x)
+        out.square().sum().backward()
+        return out, [p.grad.clone() for p in layer.parameters()]
+
+    with mock.patch.object(nsa.layers.attention, "rotate_many", through_kernel):
+        out, grads = run()
+    assert calls == ([[4, 2, 2]] if kv_sharing == "independent" else [[4, 2]])
+    with mock.patch.object(nsa.layers.attention, "rotate_many",
+                           lambda xs, cos, sin: [rotate_torch(t, cos, sin) for t in xs]):
+        ref, ref_grads = run()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-5)
+
+
+def test_rotate_many_rotates_each_tensor():
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, 4, h, 8, generator=g).to(DEVICE) for h in HEADS]
+    cos, sin = angles(2, 4, 8)
+    for out, x in zip(rotate_many(xs, cos, sin), xs, strict=True):
+        torch.testing.assert_close(out, rotate_torch(x, cos, sin), rtol=0, atol=1e-6)
+
+
+def test_rotate_many_needs_a_tensor():
+    with pytest.raises(ValueError, match="at least one"):
+        rotate_many([], *angles(1, 4, 8))
+
+
+# A tensor unlike x [2, 4, 2, 8] float32 in one of B, T, D, dtype, device (heads may differ).
+UNLIKE = {"B": dict(shape=(1, 4, 2, 8)), "T": dict(shape=(2, 3, 2, 8)),
+          "D": dict(shape=(2, 4, 2, 6)), "dtype": dict(dtype=torch.float64),
+          "device": dict(device="meta")}
+
+
+@pytest.mark.parametrize("field", UNLIKE)
+def test_rotate_many_refuses_tensors_that_disagree(field):
+    like = dict(shape=(2, 4, 3, 8), dtype=torch.float32, device=DEVICE) | UNLIKE[field]
+    x = torch.zeros(2, 4, 2, 8, device=DEVICE)
+    other = torch.zeros(like["shape"], dtype=like["dtype"], device=like["device"])
+    with pytest.raises(ValueError, match="must agree"):
+        rotate_many([x, torch.zeros_like(x), other], *angles(1, 4, 8))

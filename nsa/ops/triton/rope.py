@@ -1,13 +1,22 @@
-"""Rotary position embedding in one Triton kernel, forward and backward (the rotation's
-backward is the rotation by the opposite angle), registered as the op ``nsa::rope``.
+"""Rotary position embedding of up to three tensors at the same positions in one Triton kernel,
+forward and backward (the rotation's backward is the rotation by the opposite angle),
+registered as the op ``nsa::rope``.
 
-The PyTorch form (``nsa.layers.rope.rotate``) runs eight kernels per rotation (a float copy,
-four products, a difference, a sum, a concatenation and the cast back) and about as many in its
-backward; an NSA layer rotates four tensors per step. This kernel reads x once and writes the
-rotated x once.
+The PyTorch form (``nsa.layers.rope.rotate_torch``) runs eight kernels per rotation (a float
+copy, four products, a difference, a sum, a concatenation and the cast back) and about as many
+in its backward. This kernel reads each x once and writes its rotation once.
+
+Why several tensors per launch: eager training is host-bound, and each Triton launch costs the
+host ~45 µs on the GPU machine, each autograd.Function call more. An NSA layer rotates its
+queries and the keys of the selected and window branches at the same positions; one autograd
+node with one launch forward and one backward for all of them replaces three of each. The grid
+is the concatenation of the tensors' row tiles: a program finds its tensor from its program id
+and reads that tensor's pointers, head count and strides.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -16,25 +25,41 @@ import triton.language as tl
 from nsa.ops.triton.launch import call_op, pow2, unit_stride
 
 ROPE_ROWS = 32  # (b, t, head) rows per program
+ROPE_MAX_TENSORS = 3  # tensors rotated by one launch (the kernel's slots)
 
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, OUT, N, T, HEADS, stride_xb, stride_xt, stride_xh, stride_cb,
-                 stride_ct, SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, HEADS2,
+                 END0, END1, stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
+                 stride_x1h, stride_x2b, stride_x2t, stride_x2h, stride_cb, stride_ct,
+                 SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  ROWS: tl.constexpr):
-    """OUT [N = B·T·HEADS rows, 2·HALF] (contiguous) = x rotated: channel pairs (i, i + HALF)
-    by the angle of the row's (b, t) (cos, sin [B or 1, T, HALF]), SIGN = -1: the inverse."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = r < N
-    head = r % HEADS
-    t = (r // HEADS) % T
-    b = (r // (HEADS * T)).to(tl.int64)
+    """OUTk [B·T·HEADSk rows, 2·HALF] (contiguous) = Xk [B, T, HEADSk, 2·HALF] rotated:
+    channel pairs (i, i + HALF) by the angle of the row's (b, t) (cos, sin [B or 1, T, HALF]),
+    SIGN = -1: the inverse. Programs [0, END0) rotate X0, [END0, END1) X1, [END1, grid) X2."""
+    pid = tl.program_id(0)
+    in1 = pid >= END0
+    in2 = pid >= END1
+    # This program's tensor: scalar selects among the three slots.
+    X = tl.where(in2, X2, tl.where(in1, X1, X0))
+    OUT = tl.where(in2, OUT2, tl.where(in1, OUT1, OUT0))
+    heads = tl.where(in2, HEADS2, tl.where(in1, HEADS1, HEADS0))
+    stride_xb = tl.where(in2, stride_x2b, tl.where(in1, stride_x1b, stride_x0b))
+    stride_xt = tl.where(in2, stride_x2t, tl.where(in1, stride_x1t, stride_x0t))
+    stride_xh = tl.where(in2, stride_x2h, tl.where(in1, stride_x1h, stride_x0h))
+    first_tile = tl.where(in2, END1, tl.where(in1, END0, 0))
+
+    r = (pid - first_tile) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of this tensor
+    row_ok = r < B * T * heads
+    head = r % heads
+    t = ((r // heads) % T).to(tl.int64)
+    b = (r // (heads * T)).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     mask = row_ok[:, None] & (i[None, :] < HALF)
-    x_rows = X + b * stride_xb + t.to(tl.int64) * stride_xt + head * stride_xh
+    x_rows = X + b * stride_xb + t * stride_xt + head * stride_xh
     x1 = tl.load(x_rows[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_rows[:, None] + HALF + i[None, :], mask=mask, other=0.0).to(tl.float32)
-    angle_rows = b * stride_cb + t.to(tl.int64) * stride_ct
+    angle_rows = b * stride_cb + t * stride_ct
     cos = tl.load(COS + angle_rows[:, None] + i[None, :], mask=mask, other=0.0)
     sin = tl.load(SIN + angle_rows[:, None] + i[None, :], mask=mask, other=0.0) * SIGN
     out_rows = OUT + r.to(tl.int64) * (2 * HALF)
@@ -43,50 +68,65 @@ def _rope_kernel(X, COS, SIN, OUT, N, T, HEADS, stride_xb, stride_xt, stride_xh,
     tl.store(out_rows[:, None] + HALF + i[None, :], (x2 * cos + x1 * sin).to(out_ty), mask=mask)
 
 
-def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int):
-    """x [B, T, heads, D] (unit last stride), cos/sin [B or 1, T, 1, D/2] float32 -> x rotated,
-    contiguous, in x's dtype."""
-    B, T, heads, D = x.shape
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    N = B * T * heads
-    if N == 0:
-        return out
+def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+         inverse: bool) -> list[torch.Tensor]:
+    """xs (1 to ROPE_MAX_TENSORS tensors [B, T, heads_k, D] of one B, T, D and dtype; any
+    strides) rotated by the angles of cos/sin [B or 1, T, 1, D/2] (float32), or by their
+    opposites if ``inverse``, in one launch: a new contiguous tensor per x, in x's dtype."""
+    if not 0 < len(xs) <= ROPE_MAX_TENSORS:
+        raise ValueError(f"nsa::rope takes 1 to {ROPE_MAX_TENSORS} tensors, got {len(xs)}")
+    xs = [unit_stride(x) for x in xs]
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    B, T, _, D = xs[0].shape
+    tiles = [triton.cdiv(B * T * x.shape[2], ROPE_ROWS) for x in xs]
+    if sum(tiles) == 0:
+        return outs
+    # Unused slots: the first tensor again, with no tiles (no program selects them).
+    unused = ROPE_MAX_TENSORS - len(xs)
+    slots, out_slots, tiles = xs + xs[:1] * unused, outs + outs[:1] * unused, tiles + [0] * unused
     cos, sin = cos.contiguous(), sin.contiguous()
     stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    _rope_kernel[(triton.cdiv(N, ROPE_ROWS),)](
-        x, cos, sin, out, N, T, heads, *x.stride()[:3], stride_cb, cos.stride(1),
-        SIGN=sign, HALF=D // 2, BLOCK_HALF=pow2(D // 2, 1), ROWS=ROPE_ROWS)
-    return out
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x rotated by the angles of cos/sin, or by their opposites if ``inverse``."""
-    return _rope_launch(unit_stride(x), cos, sin, -1 if inverse else 1)
+    end0 = tiles[0]
+    end1 = end0 + tiles[1]
+    _rope_kernel[(end1 + tiles[2],)](
+        *slots, *out_slots, cos, sin, B, T, *(x.shape[2] for x in slots), end0, end1,
+        *(stride for x in slots for stride in x.stride()[:3]), stride_cb, cos.stride(1),
+        SIGN=-1 if inverse else 1, HALF=D // 2, BLOCK_HALF=pow2(D // 2, 1), ROWS=ROPE_ROWS)
+    return outs
 
 
 rope_op = torch.library.custom_op("nsa::rope", rope, mutates_args=())
 
 
 @rope_op.register_fake
-def _(x, cos, sin, inverse):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _(xs, cos, sin, inverse):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
 
 
 class _RopeFunction(torch.autograd.Function):
-    """The rotation and its backward, the inverse rotation of the gradient (the angles are
-    constants: positions carry no gradient)."""
+    """The rotation of (cos, sin, *xs) and its backward, the inverse rotation of the gradients
+    (the angles are constants: positions carry no gradient), each one launch. An output left
+    out of the loss gets a zero gradient (autograd materialises it): rotated like the others."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, cos, sin, *xs):
         ctx.save_for_backward(cos, sin)
-        return call_op(rope_op, rope, x, cos, sin, False)
+        return tuple(call_op(rope_op, rope, list(xs), cos, sin, False))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         cos, sin = ctx.saved_tensors
-        return call_op(rope_op, rope, grad, cos, sin, True), None, None
+        return None, None, *call_op(rope_op, rope, list(grads), cos, sin, True)
 
 
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D] rotated by cos/sin [B or 1, T, 1, D/2] (float32), in x's dtype."""
-    return _RopeFunction.apply(x, cos, sin)
+def rope_triton_many(xs: Sequence[torch.Tensor], cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each x [B, T, heads_k, D] of ``xs`` (one B, T, D and dtype) rotated by cos/sin [B or 1, T,
+    1, D/2] (float32), in x's dtype: one autograd node and one launch, forward and backward,
+    per ROPE_MAX_TENSORS tensors."""
+    xs = tuple(xs)
+    rotated = ()
+    for first in range(0, len(xs), ROPE_MAX_TENSORS):
+        rotated += _RopeFunction.apply(cos, sin, *xs[first:first + ROPE_MAX_TENSORS])
+    return rotated
+
