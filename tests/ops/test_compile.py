@@ -5,6 +5,8 @@ On a machine without CUDA the kernels run in Triton's interpreter and the compil
 ``aot_eager`` (traces forward and backward, no code generation); with CUDA it is Inductor.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -95,3 +97,25 @@ def test_compiled_model_runs_the_registered_ops():
     torch.compile(model, fullgraph=True, backend=backend)(tokens, tokens).backward()
     assert torch.ops.nsa.attention_fwd.default in targets["forward"]
     assert torch.ops.nsa.attention_bwd.default in targets["backward"]
+
+
+@pytest.mark.parametrize("kind", ["meta", "fake"])
+def test_tensors_without_data_take_the_registered_ops_fake_implementation(kind):
+    """Meta tensors, and fake ones under FakeTensorMode, go through the registered ops
+    (launch.call_op), whose fake implementations give the shapes: no kernel runs on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = [t.detach() for t in op_inputs()]
+    mode = FakeTensorMode() if kind == "fake" else None
+    if mode is None:
+        inputs = [t.to("meta") for t in inputs]
+    else:
+        inputs = [mode.from_tensor(t) for t in inputs]
+    q, k, v, k_cmp, v_cmp, gates, k_win, v_win = inputs
+    with mode if mode is not None else contextlib.nullcontext():
+        out = nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
+                                backend="triton", **SMALL)
+        idx = nsa.nsa_select(q, k_cmp, backend="triton",
+                             **{n: x for n, x in SMALL.items() if n != "window"})
+    assert out.shape == (1, 19, 4, 8) and out.device == q.device
+    assert idx.shape == (1, 19, 2, SMALL["num_selected"])

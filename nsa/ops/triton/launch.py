@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
@@ -63,10 +64,14 @@ class BranchGrad(NamedTuple):
 
 def call_op(op, impl, *args):
     """``impl(*args)`` through its torch.library registration ``op`` while torch.compile traces
-    (the graph keeps it as one opaque node, shapes from its fake implementation), directly
-    otherwise: the dispatcher's path into a Python op costs the host 0.03-0.4 ms per call on
-    the GPU machine, more than a kernel launch (bench/NOTES.md, v20)."""
-    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+    (the graph keeps it as one opaque node) or when the tensors hold no data (meta or fake
+    tensors: the op's fake implementation gives the shapes); directly otherwise, for real
+    tensors in eager mode: the dispatcher's path into a Python op costs the host 0.03-0.4 ms
+    per call on the GPU machine, more than a kernel launch (bench/NOTES.md, v20)."""
+    tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    if torch.compiler.is_compiling() or tensor.is_meta or is_fake(tensor):
+        return op(*args)
+    return impl(*args)
 
 
 def pow2(x: int, minimum: int = 16) -> int:
