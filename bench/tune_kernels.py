@@ -20,6 +20,7 @@ from triton.testing import do_bench
 import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
 from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
@@ -43,10 +44,11 @@ def stages(B, T, HQ, H, D):
     kc, vc = make(B, Tc, H, D), make(B, Tc, H, D)
     scale = D**-0.5
     layout = build_tables(T, Tc, None, PAPER, q.device)
-    o_cmp, lse_cmp = branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale)
+    cmp_finite, slc_finite, win_finite = kv_finite_flags(((kc, vc), (k, v), (k, v)))
+    o_cmp, lse_cmp = branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale, cmp_finite)
     idx = select(q, kc, lse_cmp, layout, PAPER, scale)
     o_slc, lse_slc = position_forward(q, k, v, idx, layout, PAPER, scale)
-    o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale)
+    o_win, lse_win = branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale, win_finite)
     # The op's selected forward, last, also writes the gated sum of the three branches.
     gated = GatedSum(o_cmp, o_win, make(B, T, HQ, 3), torch.empty_like(q))
     do = make(B, T, HQ, D)  # the op's output gradient, as the backward kernels read it
@@ -55,14 +57,20 @@ def stages(B, T, HQ, H, D):
     delta = lambda o: (do * o).sum(-1).contiguous()  # noqa: E731
     d_cmp, d_slc, d_win = delta(o_cmp), delta(o_slc), delta(o_win)
 
+    query_finite = torch.ones(B, H, dtype=torch.int8, device="cuda")  # finite inputs
+
     def backward(kv, grad, lse, d, mode):
-        return lambda: branch_backward(q, *kv, grad, lse, d, dq, layout, mode, PAPER, scale)
+        kv_finite = cmp_finite if mode == MODE_CMP else win_finite
+        return lambda: branch_backward(q, *kv, grad, lse, d, dq, layout, mode, PAPER, scale,
+                                       kv_finite, query_finite)
 
     masked = masked_causal_selection(T, PAPER, packed=False)
-    selection = masked_selection(idx, k, v) if masked else None
+    selection = masked_selection(idx, slc_finite) if masked else None
     return {
-        "cmp_fwd": [("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale))],
-        "win_fwd": [("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale))],
+        "cmp_fwd": [("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale,
+                                                   cmp_finite))],
+        "win_fwd": [("win", lambda: branch_forward(q, k, v, layout, MODE_WIN, PAPER, scale,
+                                                   win_finite))],
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
             ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],

@@ -42,7 +42,8 @@ EXPECTED = {
     "selected._selected_fwd_kernel", "selected._selected_bwd_dq_kernel",
     "selected._selected_bwd_dkdv_kernel", "selected_masked._masked_fwd_kernel",
     "selected_masked._masked_dq_kernel", "selected_masked._masked_dkdv_kernel",
-    "selected_masked._masked_selection_kernel", "gating._gate_backward_kernel",
+    "selected_masked._selection_bits_kernel", "gating._gate_backward_kernel",
+    "finite._kv_finite_kernel",
     "decode._compressed_kernel", "decode._select_kernel", "decode._selected_kernel",
     "cache_append._append_kernel", "rope._rope_kernel",
 }

@@ -12,6 +12,7 @@ from nsa.ops.params import LOG2E, NSAParams
 pytest.importorskip("triton")
 
 from nsa.ops.triton import selected  # noqa: E402
+from nsa.ops.triton.finite import kv_finite_flags  # noqa: E402
 from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
     masked_causal_selection,
@@ -102,7 +103,7 @@ def kernel_forward_and_dq(q, k, v, do, idx, params, scale):
 def kernel_forward_backward(q, k, v, do, idx, params, scale, gate=None):
     """(o, lse, dq, dk, dv) of the masked kernels; the output gradient is gate · do (gate
     [B, T, HQ] float32, default 1)."""
-    selection = masked_selection(idx, k, v)
+    selection = masked_selection(idx, kv_finite_flags(((k, v),))[0])
     o, lse = masked_forward(q, k, v, selection, params, scale)
     grad = BranchGrad.ungated(do) if gate is None else BranchGrad(do, gate)
     delta = (do.float() * o).sum(-1)
@@ -190,8 +191,7 @@ def test_a_nan_reaches_only_the_rows_that_selected_its_block(poison):
 
 def test_masked_selection_holds_each_rows_blocks():
     """One int64 word per (batch, position, KV head): bit j set exactly when block j is among
-    the row's slots (-1 unused; block 63 is the sign bit), for n not a power of two, over more
-    than one chunk of positions of the kernel (the last one ragged: T = 70)."""
+    the row's slots (-1 unused; block 63 is the sign bit), for n not a power of two."""
     gen = torch.Generator().manual_seed(0)
     idx = torch.full((2, 70, 3, 3), -1, dtype=torch.int32)
     for row in idx.view(-1, 3):
@@ -204,27 +204,30 @@ def test_masked_selection_holds_each_rows_blocks():
         for block in row.tolist():
             if block >= 0:
                 expected.view(-1)[i] |= (1 << block) - (1 << 64 if block == 63 else 0)
-    k, v = torch.randn(2, 70, 3, 16, generator=gen), torch.randn(2, 70, 3, 8, generator=gen)
-    selection = masked_selection(idx.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    flags = torch.ones(2, 3, dtype=torch.int8, device=DEVICE)
+    selection = masked_selection(idx.to(DEVICE), flags)
     assert selection.bits.cpu().equal(expected)
-    assert selection.kv_finite.cpu().equal(torch.ones(2, 3, dtype=torch.int8))
+    assert selection.kv_finite is flags
 
 
-def test_masked_selection_marks_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
-    """The flags that pick each program's path: 0 exactly where a key or value is NaN or
-    infinite, in any chunk of positions (the last one ragged: T = 70)."""
+def test_kv_finite_flags_mark_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
+    """The flags that pick each program's path (finite.py), for three (k, v) pairs of
+    different lengths in one launch: 0 exactly where a key or value is NaN or infinite, in any
+    chunk of positions (the last one ragged: T = 70)."""
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(2, 70, 3, 16, generator=gen)
-    v = torch.randn(2, 70, 3, 8, generator=gen)
-    k[1, 69, 2, 5] = float("inf")
-    v[0, 3, 1, 0] = float("nan")
-    v[1, 64, 0, 7] = float("-inf")
-    expected = torch.ones(2, 3, dtype=torch.int8)
-    expected[1, 2] = expected[0, 1] = expected[1, 0] = 0
-    idx = torch.zeros(2, 70, 3, 2, dtype=torch.int32)
-    selection = masked_selection(idx.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
-    assert selection.kv_finite.cpu().equal(expected)
-    assert selection.bits.cpu().eq(1).all()
+    lengths = (5, 70, 70)
+    pairs = [(torch.randn(2, n, 3, 16, generator=gen), torch.randn(2, n, 3, 8, generator=gen))
+             for n in lengths]
+    pairs[1][0][1, 69, 2, 5] = float("inf")
+    pairs[1][1][0, 3, 1, 0] = float("nan")
+    pairs[2][1][1, 64, 0, 7] = float("-inf")
+    pairs[0][0][0, 4, 2, 15] = float("nan")
+    expected = torch.ones(3, 2, 3, dtype=torch.int8)
+    expected[1, 1, 2] = expected[1, 0, 1] = expected[2, 1, 0] = expected[0, 0, 2] = 0
+    flags = kv_finite_flags([(k.to(DEVICE), v.to(DEVICE)) for k, v in pairs])
+    assert flags.cpu().equal(expected)
+    assert kv_finite_flags([(k.to(DEVICE), v.to(DEVICE)) for k, v in pairs[:1]]).cpu().equal(
+        expected[:1])
 
 
 def test_a_nan_query_reaches_the_key_gradients_of_exactly_the_keys_it_sees():
@@ -290,13 +293,15 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
     monkeypatch.setattr(selected, "masked_dkdv",
                         lambda *a: calls.append("dkdv") or masked_dkdv(*a))
     results = []
+    kv_finite = kv_finite_flags(((k, v),))[0]
     for cu in (None, torch.tensor([0, T], dtype=torch.int32, device=DEVICE)):
         tables = build_tables(T, params.compressed_length(T), cu, params, q.device)
-        o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale)
+        o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale, kv_finite)
         delta = (do * o).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = selected.selected_backward(q, k, v, idx, BranchGrad.ungated(do), lse, delta,
-                                            dq, tables, params, scale, accumulate=False)
+                                            dq, tables, params, scale, kv_finite,
+                                            accumulate=False)
         results.append((o, lse, dq, dk, dv))
     # The packed tables took the per-position forward and dq, and the per-block dK/dV.
     assert calls == ["fwd", "dq", "dkdv"]

@@ -130,6 +130,13 @@ def test_nan_in_one_packed_sequence_leaves_the_others_alone(backend, name):
         assert_same(f"d{n}", poisoned_grads[n][:, keep], grads[n][:, keep])
 
 
+def finite_flags(*tensors):
+    """[B, 1] int8: 1 where every entry of the tensors [B, N, heads(, D)] of one KV head is
+    finite (the flags the kernels read, finite.py; computed here in PyTorch)."""
+    return torch.stack([t.flatten(1).isfinite().all(1) for t in tensors]).all(0).to(
+        torch.int8)[:, None]
+
+
 # The compressed and window kernels alone, at a shape where full and partial tiles meet: 128-row
 # query tiles of P = 8 positions (G = 16 query heads over one KV head), key tiles of 64, w = 136
 # and l = 4, d = 2 (query tiles from t = 136 on hold full key tiles of both branches). The NaN
@@ -140,14 +147,10 @@ FIRST_SEEN = {"compressed": 123, "window": 149}
 BRANCH_P = NSAParams(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=136)
 
 
-@needs_triton
-@pytest.mark.parametrize("name", ["k", "v"])
-@pytest.mark.parametrize("mode", ["compressed", "window"])
-def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode, name):
-    """A NaN key or value first seen by a query in the middle of a query tile: the queries
-    before it (earlier ones of the same tile included) keep their outputs, log-sum-exps and dq
-    bit for bit; every query that sees it gets a non-finite output and dq (through full tiles
-    too); window keys that no such query sees keep their dk and dv."""
+def run_branch(mode, q, do, k, v):
+    """The compressed (mode "compressed") or window branch's kernels alone at the BRANCH_
+    shape, forward and backward (output gradient do, gates of 1), with the flags of their
+    inputs (finite_flags) -> (o, lse, dq, dk, dv)."""
     from nsa.ops.triton.compressed_window import (
         MODE_CMP,
         MODE_WIN,
@@ -157,38 +160,91 @@ def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode
     from nsa.ops.triton.launch import BranchGrad
     from nsa.ops.triton.tables import build_tables
 
-    T, G, p, D = BRANCH_T, BRANCH_G, BRANCH_P, 16
-    Tc = p.compressed_length(T)
-    g = torch.Generator().manual_seed(4)
-    q, do = (torch.randn(1, T, G, D, generator=g).to(DEVICE) for _ in range(2))
-    keys = Tc if mode == "compressed" else T
-    kv = {n: torch.randn(1, keys, 1, D, generator=g).to(DEVICE) for n in ("k", "v")}
+    T, p, D = BRANCH_T, BRANCH_P, q.shape[-1]
+    tables = build_tables(T, p.compressed_length(T), None, p, DEVICE)
+    branch = MODE_CMP if mode == "compressed" else MODE_WIN
+    grad = BranchGrad.ungated(do)
+    kv_finite = finite_flags(k, v)
+    o, lse = branch_forward(q, k, v, tables, branch, p, D ** -0.5, kv_finite)
+    dq = torch.zeros_like(q)
+    dk, dv = branch_backward(q, k, v, grad, lse, (o * do).sum(-1), dq, tables, branch, p,
+                             D ** -0.5, kv_finite, finite_flags(q, do, grad.gate))
+    return o, lse, dq, dk, dv
+
+
+def branch_inputs(mode, B, seed):
+    """q, do [B, BRANCH_T, BRANCH_G, 16] and k, v [B, keys, 1, 16] of run_branch."""
+    g = torch.Generator().manual_seed(seed)
+    keys = BRANCH_P.compressed_length(BRANCH_T) if mode == "compressed" else BRANCH_T
+    shapes = {"q": (B, BRANCH_T, BRANCH_G, 16), "do": (B, BRANCH_T, BRANCH_G, 16),
+              "k": (B, keys, 1, 16), "v": (B, keys, 1, 16)}
+    return {n: torch.randn(*shape, generator=g).to(DEVICE) for n, shape in shapes.items()}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("mode", ["compressed", "window"])
+def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode, name):
+    """A NaN key or value first seen by a query in the middle of a query tile: the queries
+    before it (earlier ones of the same tile included) keep their outputs, log-sum-exps and dq
+    bit for bit; every query that sees it gets a non-finite output and dq (through full tiles
+    too); window keys that no such query sees keep their dk and dv."""
+    T, p = BRANCH_T, BRANCH_P
+    x = branch_inputs(mode, 1, seed=4)
     first_seen = FIRST_SEEN[mode]
     nan_at = (first_seen - p.cmp_block + 1) // p.cmp_stride if mode == "compressed" else first_seen
     seen = slice(first_seen, T if mode == "compressed" else first_seen + p.window)
-    branch = MODE_CMP if mode == "compressed" else MODE_WIN
-    tables = build_tables(T, Tc, None, p, DEVICE)
-
-    def run(k, v):
-        o, lse = branch_forward(q, k, v, tables, branch, p, D ** -0.5)
-        dq = torch.zeros_like(q)
-        dk, dv = branch_backward(q, k, v, BranchGrad.ungated(do), lse, (o * do).sum(-1), dq,
-                                 tables, branch, p, D ** -0.5)
-        return o, lse, dq, dk, dv
-
-    o, lse, dq, dk, dv = run(kv["k"], kv["v"])
-    kv = with_nan(kv, name, (0, nan_at, 0, -1))
-    o_nan, lse_nan, dq_nan, dk_nan, dv_nan = run(kv["k"], kv["v"])
+    o, lse, dq, dk, dv = run_branch(mode, **x)
+    x = with_nan(x, name, (0, nan_at, 0, -1))
+    o_nan, lse_nan, dq_nan, dk_nan, dv_nan = run_branch(mode, **x)
     before = slice(0, first_seen)
     assert_same("output", o_nan[:, before], o[:, before])
     assert_same("dq", dq_nan[:, before], dq[:, before])
     torch.testing.assert_close(lse_nan[:, before], lse[:, before], rtol=0, atol=0, msg="lse")
-    for what, x in (("output", o_nan), ("dq", dq_nan)):
-        assert not torch.isfinite(x[:, seen]).all(-1).any(), f"{what}: a finite row sees the NaN"
+    for what, y in (("output", o_nan), ("dq", dq_nan)):
+        assert not torch.isfinite(y[:, seen]).all(-1).any(), f"{what}: a finite row sees the NaN"
     if mode == "window":  # keys that no query seeing the NaN attends to
         unseen = slice(0, first_seen - p.window + 1)
         assert_same("dk", dk_nan[:, unseen], dk[:, unseen])
         assert_same("dv", dv_nan[:, unseen], dv[:, unseen])
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["k", "v", "q", "do"])
+@pytest.mark.parametrize("mode", ["compressed", "window"])
+def test_a_nan_in_one_batch_row_leaves_the_other_rows_path_and_results(mode, name):
+    """The compressed and window kernels take their partial tiles without the non-finite
+    bookkeeping for each (batch row, KV head) whose keys and values (forward, dq) or whose
+    queries, output gradients and gates (dK/dV) are all finite (finite.py). A NaN in batch
+    row 1 sends row 1 through the bookkeeping in the same launch as row 0, whose outputs and
+    gradients stay bit for bit as when both rows are finite."""
+    x = branch_inputs(mode, 2, seed=5)
+    clean = run_branch(mode, **x)
+    x[name] = x[name].clone()
+    x[name][1, x[name].shape[1] // 2, 0, 3] = float("nan")
+    results = run_branch(mode, **x)
+    for what, a, b in zip(("output", "lse", "dq", "dk", "dv"), results, clean, strict=True):
+        assert torch.equal(a[0], b[0]), f"{what} of the finite batch row changed"
+    assert not all(torch.isfinite(a[1]).all() for a in results), "the NaN reached nothing"
+
+
+@needs_triton
+def test_gate_backward_flags_each_batch_and_kv_head_with_a_non_finite_query_side_row():
+    """The query side's flags (finite.py), from the gate backward kernel: 0 exactly where a
+    row of the KV head's query heads has a non-finite query, output gradient or gate (q a
+    strided view, Dk != Dv, T ragged against the kernel's rows)."""
+    from nsa.ops.triton.gating import gate_backward
+
+    g = torch.Generator().manual_seed(6)
+    B, T, HQ, H, Dk, Dv = 2, 70, 6, 2, 16, 8
+    q = torch.randn(B, T, HQ, Dk + 4, generator=g)[..., :Dk]
+    do, o = torch.randn(B, T, HQ, Dv, generator=g), torch.randn(3, B, T, HQ, Dv, generator=g)
+    gates = torch.rand(B, T, HQ, 3, generator=g)
+    q[1, 69, 4, 3] = float("nan")  # KV head 1 of batch 1
+    do[0, 3, 0, 0] = float("inf")  # KV head 0 of batch 0
+    gates[1, 10, 1, 2] = float("nan")  # KV head 0 of batch 1
+    *_, flags = gate_backward(*(x.to(DEVICE) for x in (do, gates, *o, q)), H)
+    assert flags.cpu().tolist() == [[0, 1], [0, 0]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,6 +18,7 @@ import torch
 
 from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
 from nsa.ops.triton.launch import BranchGrad, call_op, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
@@ -27,25 +28,31 @@ from nsa.ops.triton.tables import build_tables
 
 def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scale: float,
              cu_seqlens):
-    """-> (out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win); all but ``out`` are what
-    the backward reads (branch outputs in float32, log-sum-exps, selected blocks)."""
+    """-> (out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite); all but
+    ``out`` are what the backward reads (branch outputs in float32, log-sum-exps, selected
+    blocks, the flags of the branches' keys and values: finite.py)."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
-    o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale)
+    kv_finite = kv_finite_flags(((k_cmp, v_cmp), (k, v), (k_win, v_win)))  # [3, B, H]
+    o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale,
+                                    kv_finite[0])
     idx = select(q, k_cmp, lse_cmp, tables, params, scale)
-    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale)
+    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale,
+                                    kv_finite[2])
     # The selected branch, last, also writes the gated sum of the three: its programs end at
     # different times, so the sum's memory traffic overlaps other programs' work.
     out = torch.empty(o_cmp.shape, dtype=q.dtype, device=q.device)
-    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale,
+    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale, kv_finite[1],
                                       gated=GatedSum(o_cmp, o_win, gates, out))
-    return out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win
+    return out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite
 
 
 def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc, o_win,
-              lse_cmp, lse_slc, lse_win, params: NSAParams, scale: float, cu_seqlens):
+              lse_cmp, lse_slc, lse_win, kv_finite, params: NSAParams, scale: float,
+              cu_seqlens):
     """-> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), in their dtypes."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
-    gate, delta, dgates = gate_backward(grad_out, gates, o_cmp, o_slc, o_win)
+    gate, delta, dgates, query_finite = gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q,
+                                                      k.shape[2])
     # Branch i's output gradient is gate[i] · grad_out: its kernels apply the gate.
     cmp_grad, slc_grad, win_grad = (BranchGrad(grad_out, g) for g in gate)
     # dq: the compressed branch writes the float32 sum, the selected branch adds to it, the
@@ -54,11 +61,11 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
     dq = torch.empty_like(q)
     grads = (
         branch_backward(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], dq_sum, tables, MODE_CMP,
-                        params, scale, accumulate=False),
+                        params, scale, kv_finite[0], query_finite, accumulate=False),
         selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables, params,
-                          scale),
+                          scale, kv_finite[1]),
         branch_backward(q, k_win, v_win, win_grad, lse_win, delta[2], dq_sum, tables, MODE_WIN,
-                        params, scale, dq_out=dq),
+                        params, scale, kv_finite[2], query_finite, dq_out=dq),
     )
     (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
@@ -101,8 +108,10 @@ def _(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, cmp_block, cmp_str
     branch_out = q.new_empty(B, T, HQ, Dv, dtype=torch.float32)
     lse = q.new_empty(B, T, HQ, dtype=torch.float32)
     idx = q.new_empty(B, T, H, num_selected, dtype=torch.int32)
+    kv_finite = q.new_empty(3, B, H, dtype=torch.int8)
     return [q.new_empty(B, T, HQ, Dv), idx, branch_out, torch.empty_like(branch_out),
-            torch.empty_like(branch_out), lse, torch.empty_like(lse), torch.empty_like(lse)]
+            torch.empty_like(branch_out), lse, torch.empty_like(lse), torch.empty_like(lse),
+            kv_finite]
 
 
 def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -110,15 +119,15 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   k_win: torch.Tensor, v_win: torch.Tensor, idx: torch.Tensor,
                   o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
                   lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None, cmp_block: int, cmp_stride: int,
-                  sel_block: int, num_selected: int, window: int, num_init: int,
-                  num_local: int, scale: float) -> list[torch.Tensor]:
+                  kv_finite: torch.Tensor, cu_seqlens: torch.Tensor | None, cmp_block: int,
+                  cmp_stride: int, sel_block: int, num_selected: int, window: int,
+                  num_init: int, num_local: int, scale: float) -> list[torch.Tensor]:
     """The op's backward -> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win)."""
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
     inputs = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
     return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp,
-                          lse_slc, lse_win, params, scale, cu_seqlens))
+                          lse_slc, lse_win, kv_finite, params, scale, cu_seqlens))
 
 
 attention_bwd_op = torch.library.custom_op("nsa::attention_bwd", attention_bwd, mutates_args=())
@@ -160,7 +169,9 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, cu_seqlens: torch.Tensor
     q, k_cmp = q.contiguous(), k_cmp.contiguous()
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     # Only the log-sum-exp of the compressed branch is needed; its output is discarded.
-    _, lse = branch_forward(q, k_cmp, k_cmp[..., :1], tables, MODE_CMP, params, scale)
+    v_cmp = k_cmp[..., :1]
+    _, lse = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale,
+                            kv_finite_flags(((k_cmp, v_cmp),))[0])
     return select(q, k_cmp, lse, tables, params, scale).long()
 
 

@@ -89,6 +89,12 @@ def finite_part(x):
 
 
 @triton.jit
+def all_finite(x):
+    """1 when every entry of the tile x is finite, else 0."""
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
+
+
+@triton.jit
 def split_tiles(lo, hi, seen_lo, seen_hi, STEP: tl.constexpr):
     """Split the tiles lo, lo + STEP, ... (those starting below hi) into full ones, inside
     [seen_lo, seen_hi) (every pair valid), and partial ones -> (full_lo, full_hi, num_partial):
@@ -157,11 +163,12 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
-                      PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True, gate=None):
+                      PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True, gate=None,
+                      MASK_DS: tl.constexpr = False):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
-    tile dS is 0 where not ``valid``, whatever v, do and delta hold there. Without MASKED
-    every pair counts (a full tile; padding rows have lse = +inf, so p = 0 there). With a
-    ``gate`` per row (finite), p and so dS are multiplied by it."""
+    tile, or with MASK_DS, dS is 0 where not ``valid``, whatever v, do and delta hold there.
+    Without MASKED every pair counts (a full tile; padding rows have lse = +inf, so p = 0
+    there). With a ``gate`` per row (finite), p and so dS are multiplied by it."""
     # p <= 1 in exact arithmetic; a product recomputed an ulp above the forward's, times a
     # huge scale, would make it inf (NaN stays NaN).
     p = tl.minimum(exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 1.0,
@@ -171,18 +178,20 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
     if gate is not None:
         p *= gate[:, None]
     ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
-    if PARTIAL:
+    if PARTIAL or MASK_DS:
         ds = tl.where(valid, ds, 0.0)
     return p, ds
 
 
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
-            PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
+            PARTIAL: tl.constexpr, MASKED: tl.constexpr = True, MASK_DS: tl.constexpr = False):
     """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
-    (a non-finite key already makes the dS of the pairs that see it NaN)."""
+    (a non-finite key already makes the dS of the pairs that see it NaN). MASK_DS: dS is 0
+    where not ``valid`` (a masked tile whose keys and values are known finite, but whose rows'
+    do and delta may not be: a row that sees no key gets no gradient)."""
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED)
+                              MASKED, MASK_DS=MASK_DS)
     if PARTIAL:
         k, _ = finite_part(k)
     return acc + dot(ds.to(k.dtype), k, IEEE)
@@ -190,12 +199,14 @@ def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
 
 @triton.jit
 def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
-              IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
+              IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
+              MASK_DS: tl.constexpr = False):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
     output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
     PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
     not finite poisons its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it
-    sees."""
+    sees. MASK_DS: dS is 0 where not ``valid`` (a masked tile whose q, do and gates are known
+    finite, but whose rows' delta may not be)."""
     q_mult = q
     do_mult = do
     gate_mult = gate
@@ -206,7 +217,7 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
         gate_mult = tl.where(gate_ok, gate, 0.0)
         lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED, gate_mult)
+                              MASKED, gate_mult, MASK_DS)
     acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)
     acc_k += dot(tl.trans(ds).to(q.dtype), q_mult, IEEE)
     return acc_k, acc_v

@@ -114,8 +114,41 @@ def _key_tile(K, V, b, h, start, hi, lo_r, hi_r, stride_kb, stride_kt, stride_kh
 
 
 @triton.jit
+def _partial_forward(q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
+                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     scale_log2, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     PARTIAL: tl.constexpr):
+    """The forward's partial key tiles: with PARTIAL the non-finite bookkeeping (common.py,
+    Masks), else the plain masks (the keys and values are known finite)."""
+    for i in range(0, num_partial):
+        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
+                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
+        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, PARTIAL)
+    return m, l, acc
+
+
+@triton.jit
+def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r,
+                hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                scale_log2, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """dq's partial key tiles, as ``_partial_forward``'s (dS masked either way: a row's do and
+    delta may not be finite, and a row that sees no key gets no gradient)."""
+    for i in range(0, num_partial):
+        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
+                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
+        acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, PARTIAL,
+                      MASK_DS=True)
+    return acc
+
+
+@triton.jit
 def _branch_fwd_kernel(
-    Q, K, V, KD, VD, O, LSE, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, O, LSE, tok_pos, tok_cmp_start, KV_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2,
@@ -124,18 +157,25 @@ def _branch_fwd_kernel(
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    """O, LSE = this branch's output (float32) and log-sum-exp."""
+    """O, LSE = this branch's output (float32) and log-sum-exp. KV_FINITE[b, h] (int8) is 1
+    when every key and value of the batch row and KV head is finite: the partial tiles then
+    take the plain masks, with no bookkeeping of non-finite values (module docstring)."""
     b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
         T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
     q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    for i in range(0, num_partial):
-        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
-                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
-        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, True)
+    if tl.load(KV_FINITE + tl.program_id(1)) != 0:  # one call each way: PARTIAL is a constant
+        m, l, acc = _partial_forward(
+            q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2, DK, DV,
+            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, False)
+    else:
+        m, l, acc = _partial_forward(
+            q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2, DK, DV,
+            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
         k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
                               stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
@@ -148,7 +188,7 @@ def _branch_fwd_kernel(
 
 @triton.jit
 def _branch_bwd_dq_kernel(
-    Q, K, V, KD, VD, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start,
+    Q, K, V, KD, VD, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start, KV_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2, scale,
@@ -165,11 +205,16 @@ def _branch_bwd_dq_kernel(
         Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    for i in range(0, num_partial):
-        k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
-                                lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
-        acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, True)
+    if tl.load(KV_FINITE + tl.program_id(1)) != 0:  # as in the forward
+        acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
+                          num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
+                          stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                          IEEE, False)
+    else:
+        acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
+                          num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
+                          stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                          IEEE, True)
     for start in range(full_lo, full_hi, BLOCK_N):
         k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
                               stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
@@ -235,9 +280,32 @@ def _full_query_tile(t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb,
 
 
 @triton.jit
+def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO,
+                  GATE, LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt,
+                  stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
+                  G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
+                  WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+                  IEEE: tl.constexpr, PARTIAL: tl.constexpr):
+    """dK/dV's partial query tiles: with PARTIAL the non-finite bookkeeping of the query side
+    (common.dkdv_tile), else the plain masks (q, do and the gates are known finite; dS masked:
+    a row's delta may not be)."""
+    P: tl.constexpr = BLOCK_R // G
+    for i in range(0, num_partial):
+        q, do, gate, lse, delta, valid = _query_tile(
+            partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA,
+            tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot,
+            stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
+            CMP_BLOCK, CMP_STRIDE)
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+                                 IEEE, PARTIAL, MASK_DS=True)
+    return acc_k, acc_v
+
+
+@triton.jit
 def _branch_bwd_dkdv_kernel(
     Q, K, V, DO, QD, DOD, GATE, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo,
-    key_t_hi,
+    key_t_hi, QUERY_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
@@ -248,7 +316,10 @@ def _branch_bwd_dkdv_kernel(
     IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
-    positions (program axis 2) that can see them; segments write separate partials."""
+    positions (program axis 2) that can see them; segments write separate partials.
+    QUERY_FINITE[b, h] (int8) is 1 when the q, do and gates of every query row of KV head h
+    are finite: the partial tiles then take the plain masks (dS masked too: a row's delta may
+    not be finite), with no bookkeeping of non-finite values."""
     P: tl.constexpr = BLOCK_R // G
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -271,14 +342,18 @@ def _branch_bwd_dkdv_kernel(
                                                 tl.load(key_t_hi + first), P)
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for i in range(0, num_partial):
-        q, do, gate, lse, delta, valid = _query_tile(
-            partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA,
-            tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot,
-            stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
-            CMP_BLOCK, CMP_STRIDE)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
-                                 IEEE, True)
+    if tl.load(QUERY_FINITE + pid_bh) != 0:  # one call each way: PARTIAL is a constant
+        acc_k, acc_v = _partial_dkdv(
+            k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
+            LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
+            stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
+            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, False)
+    else:
+        acc_k, acc_v = _partial_dkdv(
+            k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
+            LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
+            stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
+            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, True)
     for t_start in range(full_lo, full_hi, P):
         q, do, gate, lse, delta = _full_query_tile(
             t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
@@ -304,8 +379,9 @@ def _query_descriptors(q, do, G: int, rows: int):
     return descriptor_pair(q, do, [1, rows // G, G])
 
 
-def branch_forward(q, k, v, tables, mode, params, scale):
-    """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2)."""
+def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
+    """Compressed (mode CMP: k, v compressed) or window (mode WIN) attention -> (o, lse2);
+    ``kv_finite``: the [B, H] flags of k and v (finite.py)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
@@ -314,7 +390,7 @@ def branch_forward(q, k, v, tables, mode, params, scale):
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     grid = (triton.cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
-        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start,
+        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
@@ -324,10 +400,12 @@ def branch_forward(q, k, v, tables, mode, params, scale):
     return o, lse
 
 
-def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, params, scale, *,
-                    accumulate=True, dq_out=None):
+def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, params, scale,
+                    kv_finite, query_finite, *, accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate`` (else written alone); returns (dk, dv) in the dtypes of k and v."""
+    ``accumulate`` (else written alone); returns (dk, dv) in the dtypes of k and v.
+    ``kv_finite``, ``query_finite``: the [B, H] flags of k and v and of the query side
+    (finite.py)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     NK = k.shape[1]
     do = grad.do
@@ -339,7 +417,8 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
     _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
         q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
-        tables.tok_pos, tables.tok_cmp_start, *tensor_strides, T, NK, H, scale * LOG2E, scale,
+        tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
+        scale * LOG2E, scale,
         BLOCK_R=R, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
@@ -359,7 +438,7 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
         qd, dod, tma = _query_descriptors(q, do, G, R)
         _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
-            tables.tok_cmp_start, t_lo, t_hi, *tensor_strides, *dk.stride()[1:4],
+            tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
             scale, BLOCK_R=R, TMA=tma, **meta, **launch,
         )

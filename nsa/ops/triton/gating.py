@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import store_rows
-from nsa.ops.triton.launch import pow2
+from nsa.ops.triton.common import load_tile, store_rows
+from nsa.ops.triton.launch import pow2, strides
 
 GATE_ROWS = 16  # rows per program of the gate backward
 GATE_CHUNK = tl.constexpr(16)  # columns per step of the gated sum: 32 spill 1.2 KB (masked, m7c)
@@ -88,10 +88,26 @@ def _branch_gate_grad(do, O, GATES, GATE, DELTA, DGATES, branch: tl.constexpr, r
 
 @triton.jit
 def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GATE_WIN,
-                          DELTA_CMP, DELTA_SLC, DELTA_WIN, DGATES, N, DV: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                          DELTA_CMP, DELTA_SLC, DELTA_WIN, DGATES, Q, QUERY_FINITE, N, T, HQ, G,
+                          stride_qb, stride_qt, stride_qh, DV: tl.constexpr,
+                          BLOCK_D: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """The branches' dg_i, delta_i and g_i (module docstring), and QUERY_FINITE[b, h] = 0
+    (from 1) where a row of KV head h of batch b has a non-finite query, output gradient or
+    gate (finite.py; programs that find one store the same 0)."""
     r, row_ok, offsets, mask = _rows(N, DV, BLOCK_D, ROWS)
     do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
+    b = (r // (T * HQ)).to(tl.int64)
+    t = ((r // HQ) % T).to(tl.int64)
+    hq = r % HQ
+    q = load_tile(Q + b * stride_qb + t * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    gates = tl.load(GATES + r.to(tl.int64)[:, None] * 3 + tl.arange(0, 4)[None, :],
+                    mask=row_ok[:, None] & (tl.arange(0, 4)[None, :] < 3), other=0.0)
+    finite = (tl.min((tl.abs(do) < float("inf")).to(tl.int32), axis=1)
+              & tl.min((tl.abs(q) < float("inf")).to(tl.int32), axis=1)
+              & tl.min((tl.abs(gates) < float("inf")).to(tl.int32), axis=1))
+    tl.store(QUERY_FINITE + b * (HQ // G) + hq // G, tl.zeros([ROWS], tl.int8),
+             mask=row_ok & (finite == 0))
     _branch_gate_grad(do, O_CMP, GATES, GATE_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets,
                       mask)
     _branch_gate_grad(do, O_SLC, GATES, GATE_SLC, DELTA_SLC, DGATES, 1, r, row_ok, offsets,
@@ -121,14 +137,19 @@ def gated_sum_args(gated: GatedSum | None, o_slc: torch.Tensor) -> dict:
     return dict(O_CMP=o_cmp, O_WIN=o_win, GATES=gates, OUT=out, GATED=gated is not None)
 
 
-def gate_backward(grad_out, gates, o_cmp, o_slc, o_win):
-    """-> (gate [3, B, T, HQ] float32, delta [3, B, T, HQ] float32, dgates in the gates' dtype)
-    for grad_out [B, T, HQ, Dv], gates [B, T, HQ, 3] and the float32 branch outputs."""
-    N, Dv = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
-    gate = torch.empty(3, *o_cmp.shape[:-1], dtype=torch.float32, device=o_cmp.device)
+def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q, H: int):
+    """-> (gate [3, B, T, HQ] float32, delta [3, B, T, HQ] float32, dgates in the gates' dtype,
+    query_finite [B, H] int8 (finite.py)) for grad_out [B, T, HQ, Dv], gates [B, T, HQ, 3],
+    the float32 branch outputs and the queries q [B, T, HQ, Dk] (unit last stride) of H KV
+    heads."""
+    B, T, HQ, Dv = o_cmp.shape
+    N, Dk = B * T * HQ, q.shape[-1]
+    gate = torch.empty(3, B, T, HQ, dtype=torch.float32, device=o_cmp.device)
     delta = torch.empty_like(gate)
     dgates = torch.empty(gates.shape, dtype=gates.dtype, device=o_cmp.device)
+    query_finite = torch.ones(B, H, dtype=torch.int8, device=o_cmp.device)
     _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
-        grad_out, gates, o_cmp, o_slc, o_win, *gate, *delta, dgates, N, DV=Dv, BLOCK_D=pow2(Dv),
+        grad_out, gates, o_cmp, o_slc, o_win, *gate, *delta, dgates, q, query_finite, N, T, HQ,
+        HQ // H, *strides(q), DV=Dv, BLOCK_D=pow2(Dv), DK=Dk, BLOCK_DK=pow2(Dk),
         ROWS=GATE_ROWS)
-    return gate, delta, dgates
+    return gate, delta, dgates, query_finite

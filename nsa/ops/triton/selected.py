@@ -378,12 +378,15 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
                 num_stages=stages)
 
 
-def selected_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = None):
+def selected_forward(q, k, v, idx, tables, params, scale, kv_finite,
+                     gated: GatedSum | None = None):
     """Attention over each position's selected blocks -> (o, lse2): masked causal attention
-    where ``masked_causal_selection`` says so (selected_masked.py), else per position. With
-    ``gated`` (the branch runs last), the kernel also writes gated.out = Σ g_i o_i."""
+    where ``masked_causal_selection`` says so (selected_masked.py; ``kv_finite``: the [B, H]
+    flags of k and v, finite.py), else per position. With ``gated`` (the branch runs last),
+    the kernel also writes gated.out = Σ g_i o_i."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        return masked_forward(q, k, v, masked_selection(idx, k, v), params, scale, gated)
+        selection = masked_selection(idx, kv_finite)
+        return masked_forward(q, k, v, selection, params, scale, gated)
     return position_forward(q, k, v, idx, tables, params, scale, gated)
 
 
@@ -441,12 +444,13 @@ def _inverse_index(idx, tables, params):
     return num_global, block_start, block_end, offsets, entry_pos
 
 
-def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale, *,
-                      accumulate=True, dq_out=None):
+def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale,
+                      kv_finite, *, accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate``; returns (dk, dv) in the dtypes of k and v."""
+    ``accumulate``; returns (dk, dv) in the dtypes of k and v. ``kv_finite`` as in the
+    forward."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        selection = masked_selection(idx, k, v)
+        selection = masked_selection(idx, kv_finite)
         masked_dq(q, k, v, selection, grad, lse, delta, dq, params, scale,
                   accumulate=accumulate, dq_out=dq_out)
         return masked_dkdv(q, k, v, selection, grad, lse, delta, params, scale)

@@ -20,13 +20,12 @@ Non-finite keys and values. A tile some rows selected meets, in its masked pairs
 values those rows must not see, and 0 · NaN is NaN (common.py, Masks); multiplying only the
 finite parts of each such tile, with the bookkeeping to poison the rows that do see a
 non-finite value, and branching around its products, made these kernels a third slower than
-one branch-free loop (bench/NOTES.md, v19). So the kernel that writes the selection bits
-(once per forward and once per backward: ``masked_selection``) also marks each (batch, KV
-head) whose keys and values are all finite (nearly always all of them), and the forward and dq are
-launched twice, FINITE on and off, each running the programs of its flag and returning at
-once elsewhere: with FINITE, every tile takes its row mask alone, in one pipelined loop that
-also computes the tiles no row selected; without, tiles are skipped, plain or masked as above
-(loaded either way: loads outside the branches are pipelined).
+one branch-free loop (bench/NOTES.md, v19). So the forward and dq read the flags of each
+(batch, KV head) whose keys and values are all finite (nearly always all of them; finite.py),
+and are launched twice, FINITE on and off, each running the programs of its flag and
+returning at once elsewhere: with FINITE, every tile takes its row mask alone, in one
+pipelined loop that also computes the tiles no row selected; without, tiles are skipped, plain
+or masked as above (loaded either way: loads outside the branches are pipelined).
 
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``): it loops over the later query tiles, loading the rows whose
@@ -74,7 +73,7 @@ from nsa.ops.triton.launch import (
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
-SELECTION_ROWS = 64  # positions per program of masked_selection
+BITS_ROWS = 128  # rows per program of masked_selection's bits
 
 
 def masked_causal_selection(T: int, params: NSAParams, packed: bool) -> bool:
@@ -137,37 +136,17 @@ def _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _all_finite(x):
-    """1 when every entry of the tile x is finite, else 0."""
-    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
-
-
-@triton.jit
-def _masked_selection_kernel(IDX, K, V, BITS, FINITE, T, H, stride_kb, stride_kt, stride_kh,
-                             stride_vb, stride_vt, stride_vh, NUM_SELECTED: tl.constexpr,
-                             BLOCK_NSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_T: tl.constexpr):
-    """For BLOCK_T positions of KV head h of batch b: BITS[b, t, h] = the int64 mask of the
-    blocks of IDX[b, t, h] (contiguous [B, T, H, NUM_SELECTED], slots of -1 unused), and
-    FINITE[b, h] = 0 (from 1) if a key or value among these positions is not finite (programs
-    that find one store the same 0)."""
-    pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    s = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    s64 = s.to(tl.int64)
-    row = (b * T + s64) * H + h  # of IDX [B·T·H, n] and BITS [B·T·H]
+def _selection_bits_kernel(IDX, BITS, N, NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr,
+                           ROWS: tl.constexpr):
+    """BITS[r] = the int64 mask of the blocks of IDX[r] (slots of -1 are unused), for ROWS of
+    the N flattened (batch, position, KV head) rows of a contiguous IDX [N, NUM_SELECTED]."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.arange(0, BLOCK_NSEL)
-    blocks = tl.load(IDX + row[:, None] * NUM_SELECTED + slot[None, :],
-                     mask=(s[:, None] < T) & (slot[None, :] < NUM_SELECTED), other=-1)
+    blocks = tl.load(IDX + r.to(tl.int64)[:, None] * NUM_SELECTED + slot[None, :],
+                     mask=(r[:, None] < N) & (slot[None, :] < NUM_SELECTED), other=-1)
     one = tl.full([1, 1], 1, tl.int64)
     bits = tl.where(blocks >= 0, one << tl.maximum(blocks, 0).to(tl.int64), 0)
-    tl.store(BITS + row, tl.reduce(bits, 1, _bit_or), mask=s < T)
-    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, s < T, DK, BLOCK_DK)
-    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, s < T, DV, BLOCK_DV)
-    if (_all_finite(k) & _all_finite(v)) == 0:
-        tl.store(FINITE + pid, tl.zeros([], tl.int8))
+    tl.store(BITS + r, tl.reduce(bits, 1, _bit_or), mask=r < N)
 
 
 @triton.jit
@@ -379,29 +358,26 @@ def _launch(kind: str, q, k, v, params: NSAParams):
 class MaskedSelection(NamedTuple):
     """What the masked kernels read of a selection, built once per forward and once per
     backward (``masked_selection``): the row masks ``bits`` [B, T, H] int64 and the flags
-    ``kv_finite`` [B, H] int8 of the branch's keys and values."""
+    ``kv_finite`` [B, H] int8 of the branch's keys and values (finite.py)."""
 
     bits: torch.Tensor
     kv_finite: torch.Tensor
 
 
-def masked_selection(idx, k, v) -> MaskedSelection:
-    """The selection idx [B, T, H, n] of keys k [B, T, H, Dk] and values v [B, T, H, Dv] as
-    the masked kernels read it, from one kernel (no host sync): ``bits`` [B, T, H] int64, per
-    (batch, position, KV head) the OR of 1 << block over the blocks of its slots (-1 unused;
-    at most MAX_BLOCKS blocks), one word per row where the kernels read n slots before
-    (bench/NOTES.md, v20); ``kv_finite`` [B, H] int8, 1 where every key and value of the
-    (batch, KV head) is finite, else 0."""
+def masked_selection(idx, kv_finite) -> MaskedSelection:
+    """The selection idx [B, T, H, n] as the masked kernels read it, with the [B, H] flags of
+    the branch's keys and values (finite.py): ``bits`` [B, T, H] int64, per (batch, position,
+    KV head) the OR of 1 << block over the blocks of its slots (-1 unused; at most MAX_BLOCKS
+    blocks), one word per row where the kernels read n slots before (bench/NOTES.md, v20);
+    one kernel, no host sync."""
     idx = idx.contiguous()
-    B, T, H, Dk = k.shape
-    Dv = v.shape[-1]
-    bits = torch.empty(B, T, H, dtype=torch.int64, device=k.device)
-    finite = torch.ones(B, H, dtype=torch.int8, device=k.device)
-    _masked_selection_kernel[(B * H, triton.cdiv(T, SELECTION_ROWS))](
-        idx, k, v, bits, finite, T, H, *strides(k), *strides(v), NUM_SELECTED=idx.shape[-1],
-        BLOCK_NSEL=pow2(idx.shape[-1], 1), DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-        BLOCK_T=SELECTION_ROWS)
-    return MaskedSelection(bits, finite)
+    bits = torch.empty(idx.shape[:3], dtype=torch.int64, device=idx.device)
+    N = bits.numel()
+    if N:
+        _selection_bits_kernel[(triton.cdiv(N, BITS_ROWS),)](
+            idx, bits, N, NUM_SELECTED=idx.shape[-1], BLOCK_NSEL=pow2(idx.shape[-1], 1),
+            ROWS=BITS_ROWS)
+    return MaskedSelection(bits, kv_finite)
 
 
 def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale: float,
