@@ -52,9 +52,9 @@ def _resolve_backend(backend: str, q: torch.Tensor, params: NSAParams | None = N
             raise ValueError(f"backend='triton' needs {problem}")
         if not TRITON_AVAILABLE:
             raise ValueError(f"backend='triton' needs Triton: {TRITON_MISSING_REASON}")
-        if not (q.is_cuda or TRITON_INTERPRET):
-            raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), "
-                             f"got q on {q.device}")
+        if not (q.is_cuda or q.is_meta or TRITON_INTERPRET):  # meta: shapes only (call_op)
+            raise ValueError("backend='triton' needs CUDA or meta tensors (or "
+                             f"TRITON_INTERPRET=1), got q on {q.device}")
         if q.dtype not in TRITON_DTYPES:
             raise ValueError(f"backend='triton' supports {TRITON_DTYPES}, got q of {q.dtype}")
     return backend
