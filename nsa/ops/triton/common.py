@@ -89,9 +89,9 @@ def finite_part(x):
 
 
 @triton.jit
-def all_finite(x):
-    """1 when every entry of the tile x is finite, else 0."""
-    return tl.min((tl.abs(x) < float("inf")).to(tl.int32))
+def all_finite(x, axis: tl.constexpr = None):
+    """1 when every entry of the tile x (or of each slice along ``axis``) is finite, else 0."""
+    return tl.min((tl.abs(x) < float("inf")).to(tl.int32), axis=axis)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import load_tile, store_rows
+from nsa.ops.triton.common import all_finite, load_tile, store_rows
 from nsa.ops.triton.launch import pow2, strides
 
 GATE_ROWS = 16  # rows per program of the gate backward
@@ -103,9 +103,7 @@ def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GA
     q = load_tile(Q + b * stride_qb + t * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
     gates = tl.load(GATES + r.to(tl.int64)[:, None] * 3 + tl.arange(0, 4)[None, :],
                     mask=row_ok[:, None] & (tl.arange(0, 4)[None, :] < 3), other=0.0)
-    finite = (tl.min((tl.abs(do) < float("inf")).to(tl.int32), axis=1)
-              & tl.min((tl.abs(q) < float("inf")).to(tl.int32), axis=1)
-              & tl.min((tl.abs(gates) < float("inf")).to(tl.int32), axis=1))
+    finite = all_finite(do, 1) & all_finite(q, 1) & all_finite(gates, 1)
     tl.store(QUERY_FINITE + b * (HQ // G) + hq // G, tl.zeros([ROWS], tl.int8),
              mask=row_ok & (finite == 0))
     _branch_gate_grad(do, O_CMP, GATES, GATE_CMP, DELTA_CMP, DGATES, 0, r, row_ok, offsets,
