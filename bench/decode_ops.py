@@ -10,7 +10,9 @@ float32, after a prefill) under a dispatch mode that records every aten op excep
 allocations (which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA
 they are the three fused Triton kernels, here the PyTorch step. A RoPE rotation counts as one
 kernel (``rope``), as it runs on CUDA (nsa/ops/triton/rope.py), and so does the append of a
-step's keys and values to NSA's caches (``append_kv``, nsa/ops/triton/cache_append.py).
+step's keys and values to NSA's caches (``append_kv``, nsa/ops/triton/cache_append.py); the
+compressed-token update counts as its kernels (``compress``, nsa/ops/triton/cache_compress.py:
+two per K/V set for the MLP compressor, one for the mean).
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ class OpCounter(TorchDispatchMode):
             self.attention += 1
         return func(*args, **(kwargs or {}))
 
-    def apart(self, real, kernel: str = ATTENTION):
+    def apart(self, real, kernel: str = ATTENTION, launches: int = 1):
         """``real`` counted apart: its ops into ``attention`` (``kernel=ATTENTION``, for
-        ``nsa_decode``), or as the one kernel ``kernel`` it launches on CUDA. Within an outer
-        counted-apart call, the outer one decides."""
+        ``nsa_decode``), or as the ``launches`` kernels ``kernel`` it launches on CUDA. Within
+        an outer counted-apart call, the outer one decides."""
         def counted(*args, **kwargs):
             outer = self.scope
             self.scope = outer or kernel
@@ -64,7 +66,7 @@ class OpCounter(TorchDispatchMode):
             finally:
                 self.scope = outer
                 if outer is None and kernel != ATTENTION:
-                    self.layer[kernel] += 1
+                    self.layer[kernel] += launches
         return counted
 
 
@@ -83,11 +85,18 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
         model.prefill(tokens, cache, torch.full((batch,), prompt))
         rope = counter.apart(nsa.layers.rope.rotate_torch, "rope")
         append = counter.apart(nsa.layers.attention.append_kv, "append_kv")
+        # per K/V set on CUDA (nsa/ops/triton/cache_compress.py): two kernels for the MLP
+        # compressor (its first product, then the rest), one for the mean
+        per_set = 2 if config.attention.compressor == "mlp" else 1
+        update = counter.apart(nsa.layers.attention.NSAttention._append_compressed,
+                               "compress", launches=2 * per_set)
         with mock.patch.object(nsa.layers.attention, "nsa_decode",
                                counter.apart(nsa.layers.attention.nsa_decode)), \
                 mock.patch.object(nsa.layers.attention, "rotate", rope), \
                 mock.patch.object(nsa.layers.rope, "rotate", rope), \
-                mock.patch.object(nsa.layers.attention, "append_kv", append), counter:
+                mock.patch.object(nsa.layers.attention, "append_kv", append), \
+                mock.patch.object(nsa.layers.attention.NSAttention, "_append_compressed",
+                                  update), counter:
             model.decode_step(tokens[:, -1], cache, compress)
     return counter
 

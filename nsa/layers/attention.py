@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,10 +20,18 @@ from nsa.layers.cache import (
 )
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
-from nsa.layers.rope import RotaryFrequencies, apply_rope, rope_angles, rotate, rotate_many
+from nsa.layers.rope import (
+    RotaryFrequencies,
+    apply_rope,
+    rope_angles,
+    rope_frequencies,
+    rotate,
+    rotate_many,
+)
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
+from nsa.ops.triton_support import TRITON_AVAILABLE
 
 ATTENTIONS = ("nsa", "dense")
 KV_SHARING = ("independent", "shared")
@@ -265,22 +274,45 @@ class NSAttention(nn.Module):
         q, kv, gates = self._projections(x)
         q = rotate(q, *angles)
         append_kv(cache, kv, *angles, pos)
-        num_cmp = cache.k_cmp.shape[1]
-        if num_cmp and compress:
-            start, complete = completing_block(p, pos)  # [B], [B]
-            index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
-            slots = (start[:, None]
-                     + torch.arange(p.cmp_block, device=x.device)) % p.cmp_block  # [B, l]
-            gather = lambda ring: torch.gather(  # noqa: E731
-                ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
-            k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v),
-                                          index[:, None])
-            write_at((cache.k_cmp, cache.v_cmp), index, (k_new[:, 0], v_new[:, 0]), complete)
+        if cache.k_cmp.shape[1] and compress:
+            self._append_compressed(cache, pos)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
                          gates[:, 0], pos, p, k_win=cache.k_win,
                          v_win=cache.v_win, window_ring=cache.k_win is not None,
                          backend=c.backend)
         return self.o_proj(out.reshape(B, 1, c.num_heads * c.head_dim_v))
+
+    def _append_compressed(self, cache: NSACache, pos: torch.Tensor) -> None:
+        """Write the compressed token that appending positions ``pos`` [B] completes (where
+        one does) from the compressor's input rings into cache.k_cmp / v_cmp: one Triton
+        kernel per set on CUDA (nsa/ops/triton/cache_compress.py), PyTorch ops otherwise."""
+        c, p = self.config, self.config.nsa
+        num_cmp = cache.k_cmp.shape[1]
+        if cache.src_k.is_cuda and TRITON_AVAILABLE:
+            from nsa.ops.triton.cache_compress import COMPUTE_DTYPES, compress_step_triton
+
+            device = cache.src_k.device
+            mlp_dtype = (torch.get_autocast_dtype(device.type)
+                         if torch.is_autocast_enabled(device.type)
+                         else self.compress_k.mlp[0].weight.dtype if c.compressor == "mlp"
+                         else cache.src_k.dtype)
+            if mlp_dtype in COMPUTE_DTYPES and cache.src_k.dtype in COMPUTE_DTYPES:
+                rope = compressed_rope_table(num_cmp, p.cmp_block, p.cmp_stride, c.head_dim_k,
+                                             c.rope_base, device)
+                for ring, compressor, out, angles in (
+                        (cache.src_k, self.compress_k, cache.k_cmp, rope),
+                        (cache.src_v, self.compress_v, cache.v_cmp, None)):
+                    dtype = mlp_dtype if compressor.kind == "mlp" else ring.dtype
+                    compress_step_triton(ring, pos, compressor, out, dtype, angles)
+                return
+        start, complete = completing_block(p, pos)  # [B], [B]
+        index = (start // p.cmp_stride).clamp(0, num_cmp - 1)  # [B]
+        slots = (start[:, None]
+                 + torch.arange(p.cmp_block, device=pos.device)) % p.cmp_block  # [B, l]
+        gather = lambda ring: torch.gather(  # noqa: E731
+            ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
+        k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v), index[:, None])
+        write_at((cache.k_cmp, cache.v_cmp), index, (k_new[:, 0], v_new[:, 0]), complete)
 
 
 class DenseAttention(nn.Module):
@@ -349,6 +381,16 @@ class DenseAttention(nn.Module):
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),
                            attn_mask=visible[:, None, None, :])
         return self.o_proj(out)
+
+
+@functools.cache  # never evicted: a captured CUDA graph reads the tables by address
+def compressed_rope_table(num_cmp: int, cmp_block: int, cmp_stride: int, head_dim: int,
+                          base: float, device: torch.device):
+    """cos, sin [num_cmp, head_dim / 2] float32 (contiguous) of compressed token i's centre
+    i·d + (l - 1) / 2: the angles ``NSAttention._compress`` rotates it by, from the same ops."""
+    centres = torch.arange(num_cmp, device=device) * cmp_stride + (cmp_block - 1) / 2
+    cos, sin = rope_angles(centres, rope_frequencies(head_dim, base, device))
+    return cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
 
 
 def completing_block(params: NSAParams, position):

@@ -45,7 +45,8 @@ EXPECTED = {
     "selected_masked._selection_bits_kernel", "gating._gate_backward_kernel",
     "finite._kv_finite_kernel",
     "decode._compressed_kernel", "decode._select_kernel", "decode._selected_kernel",
-    "cache_append._append_kernel", "rope._rope_kernel",
+    "cache_append._append_kernel", "cache_compress._first_product_kernel",
+    "cache_compress._finish_kernel", "rope._rope_kernel",
 }
 
 
@@ -168,7 +169,24 @@ def append_and_rope(dtype, sets):
     rope_triton_many([x], cos, sin)[0].float().sum().backward()
 
 
+def compressed_update(dtype, compressor, D=16, block=4):
+    from nsa.layers.attention import compressed_rope_table
+    from nsa.layers.compressor import Compressor
+    from nsa.ops.triton.cache_compress import compress_step_triton
+
+    B, H, num_cmp = 2, 2, 10
+    ring = torch.randn(B, block, H, D).to(dtype)
+    out = torch.zeros(B, num_cmp, H, D, dtype=dtype)
+    rope = compressed_rope_table(num_cmp, block, 2, D, 10000.0, torch.device("cpu"))
+    with torch.no_grad():
+        compress_step_triton(ring, torch.tensor([3, 8]), Compressor(D, block, 2, compressor),
+                             out, dtype, rope)
+
+
 def everything():
+    for compressor in ("mlp", "mean"):
+        compressed_update(torch.bfloat16, compressor)
+    compressed_update(torch.bfloat16, "mlp", D=64, block=32)  # m7c-125m's: 32 slices
     for dtype in (torch.float32, torch.bfloat16):
         attention_forward_backward(dtype, 40, window=9)
         decode_step(dtype, ring=True)
