@@ -21,8 +21,8 @@ from nsa.layers.cache import (
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
 from nsa.layers.rope import (
+    PositionAngles,
     RotaryFrequencies,
-    apply_rope,
     rope_angles,
     rope_frequencies,
     rotate,
@@ -161,12 +161,12 @@ class NSAttention(nn.Module):
                 kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
                 gates)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, dim] at ``positions`` ([T] or [B, T]) -> q [B, T, HQ, Dk]; the compressor's
-        un-rotated inputs (k_src, v_src); (k_slc, v_slc, k_win, v_win), [B, T, H, D]; the gates
-        [B, T, HQ, 3]. q, k_slc and k_win are rotated together (one kernel on CUDA, forward and
-        backward); with one shared K/V set, k_win is k_slc."""
-        angles = rope_angles(positions, self.rope.inv_freq)
+    def _project(self, x: torch.Tensor, angles):
+        """x [B, T, dim] at positions of RoPE ``angles`` (cos, sin of :func:`rope_angles`) ->
+        q [B, T, HQ, Dk]; the compressor's un-rotated inputs (k_src, v_src); (k_slc, v_slc,
+        k_win, v_win), [B, T, H, D]; the gates [B, T, HQ, 3]. q, k_slc and k_win are rotated
+        together (one kernel on CUDA, forward and backward); with one shared K/V set, k_win is
+        k_slc."""
         q, kv, gates = self._projections(x)
         (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = split_kv_sets(kv,
                                                                        self.config.head_dim_k)
@@ -177,17 +177,33 @@ class NSAttention(nn.Module):
             k_win = k_slc
         return q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates
 
-    def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, index: torch.Tensor,
+    def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, angles,
                   first: torch.Tensor | None = None):
-        """Compressed tokens of [B, T, H, D] sources: each one's index within its sequence is
-        ``index`` ([Tc] or [B, Tc]); it summarises tokens [i·d, i·d + l), or, for packed
-        documents, the l tokens from ``first`` [Tc]. Keys rotated at the centre of the tokens
-        they summarise."""
-        p = self.config.nsa
+        """Compressed tokens of [B, T, H, D] sources: each summarises tokens [i·d, i·d + l) of
+        its sequence, or, for packed documents, the l tokens from ``first`` [Tc]. Keys rotated
+        by ``angles``, those of the centres of the tokens they summarise
+        (:meth:`compressed_angles`)."""
         k_cmp = self.compress_k(k_src, first)  # [B, Tc, H, Dk]
         v_cmp = self.compress_v(v_src, first)  # [B, Tc, H, Dv]
-        centres = index * p.cmp_stride + (p.cmp_block - 1) / 2
-        return apply_rope(k_cmp, centres, self.rope.inv_freq), v_cmp
+        return rotate(k_cmp, *angles), v_cmp
+
+    def compressed_angles(self, index: torch.Tensor):
+        """RoPE angles (cos, sin) of the compressed tokens of index ``index`` ([Tc] or [B, Tc])
+        within their sequences: at the centre of the tokens each summarises."""
+        p = self.config.nsa
+        return self.rope.angles(index * p.cmp_stride + (p.cmp_block - 1) / 2)
+
+    def position_angles(self, T: int, documents: PackedDocuments | None,
+                        device) -> PositionAngles:
+        """The RoPE angles of a forward over T positions (restarting per document of
+        ``documents``): the same for every layer of one config, so a model computes them once
+        and passes them to each (:meth:`forward`'s ``angles``)."""
+        if documents is None:
+            positions = torch.arange(T, device=device)
+            cmp_index = torch.arange(self.config.nsa.compressed_length(T), device=device)
+        else:
+            positions, cmp_index = documents.positions, documents.cmp_index
+        return PositionAngles(self.rope.angles(positions), self.compressed_angles(cmp_index))
 
     def _attend(self, q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win,
                 cu_seqlens=None) -> torch.Tensor:
@@ -199,33 +215,34 @@ class NSAttention(nn.Module):
             num_local=p.num_local, cu_seqlens=cu_seqlens, backend=c.backend,
         )  # [B, T, HQ, Dv]
 
-    def _run(self, x: torch.Tensor, documents: PackedDocuments | None = None):
+    def _run(self, x: torch.Tensor, documents: PackedDocuments | None = None,
+             angles: PositionAngles | None = None):
         """x [B, T, dim] -> (output [B, T, dim], the keys/values a cache keeps: k_src, v_src,
         k_slc, v_slc, k_win, v_win [B, T, H, D] and k_cmp, v_cmp [B, Tc, H, D])."""
         c = self.config
         B, T, _ = x.shape
-        if documents is None:
-            positions = torch.arange(T, device=x.device)
-            cmp_index = torch.arange(c.nsa.compressed_length(T), device=x.device)
-            cmp_first = cu_seqlens = None
-        else:
-            positions, cmp_index = documents.positions, documents.cmp_index
+        if angles is None:
+            angles = self.position_angles(T, documents, x.device)
+        cmp_first = cu_seqlens = None
+        if documents is not None:
             cmp_first, cu_seqlens = documents.cmp_first, documents.cu_seqlens
-        q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates = self._project(x, positions)
-        k_cmp, v_cmp = self._compress(k_src, v_src, cmp_index, cmp_first)
+        q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates = self._project(x, angles.tokens)
+        k_cmp, v_cmp = self._compress(k_src, v_src, angles.compressed, cmp_first)
         out = self._attend(q, k_slc, v_slc, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens)
         out = self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim_v))
         return out, (k_src, v_src, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp)
 
     def forward(self, x: torch.Tensor,
-                cu_seqlens: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | PackedDocuments | None = None,
+                angles: PositionAngles | None = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]. ``cu_seqlens`` (int32 [N+1], B = 1; or the
         :class:`~nsa.layers.documents.PackedDocuments` a model made of it) packs N documents
         along T, each computed as if alone (see :mod:`nsa.layers.documents`); ValueError when
-        it is malformed. Prefill and decoding take no documents."""
+        it is malformed. Prefill and decoding take no documents. ``angles``: this forward's
+        :meth:`position_angles`, when the caller computed them once for all its layers."""
         documents = None if cu_seqlens is None else as_packed_documents(cu_seqlens, x,
                                                                        self.config.nsa)
-        return self._run(x, documents)[0]
+        return self._run(x, documents, angles)[0]
 
     # Decoding ---------------------------------------------------------------------------
 
@@ -262,15 +279,17 @@ class NSAttention(nn.Module):
         return out
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: NSACache,
-               compress: bool = True) -> torch.Tensor:
+               compress: bool = True, angles: PositionAngles | None = None) -> torch.Tensor:
         """One new token per sequence: x [B, 1, dim] at positions ``pos`` [B] -> [B, 1, dim].
         Appends its keys/values (and a compressed token when one completes) to ``cache``.
         ``compress=False`` skips the compressed-token update (about 40 small ops): right only
         for a step at which no sequence completes a compressed token, which a caller that
-        knows the positions can tell (:func:`completes_compressed_token`)."""
+        knows the positions can tell (:func:`completes_compressed_token`). ``angles``: the
+        RoPE angles of ``pos[:, None]`` (in ``tokens``), when the caller computed them once for
+        all its layers."""
         c, p = self.config, self.config.nsa
         B = x.shape[0]
-        angles = rope_angles(pos[:, None], self.rope.inv_freq)
+        angles = self.rope.angles(pos[:, None]) if angles is None else angles.tokens
         q, kv, gates = self._projections(x)
         q = rotate(q, *angles)
         append_kv(cache, kv, *angles, pos)
@@ -311,7 +330,8 @@ class NSAttention(nn.Module):
                  + torch.arange(p.cmp_block, device=pos.device)) % p.cmp_block  # [B, l]
         gather = lambda ring: torch.gather(  # noqa: E731
             ring, 1, slots[:, :, None, None].expand(-1, -1, *ring.shape[2:]))
-        k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v), index[:, None])
+        k_new, v_new = self._compress(gather(cache.src_k), gather(cache.src_v),
+                                      self.compressed_angles(index[:, None]))
         write_at((cache.k_cmp, cache.v_cmp), index, (k_new[:, 0], v_new[:, 0]), complete)
 
 
@@ -331,10 +351,10 @@ class DenseAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+    def _project(self, x: torch.Tensor, angles):
+        """x [B, T, dim] at positions of RoPE ``angles`` -> q, k (rotated), v."""
         c = self.config
         B, T, _ = x.shape
-        angles = rope_angles(positions, self.rope.inv_freq)
         q, kv = fused_linear(x, self.q_proj, self.kv_proj)
         q = rotate(q.view(B, T, c.num_heads, c.head_dim_k), *angles)
         kv = kv.view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
@@ -351,14 +371,24 @@ class DenseAttention(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
     def forward(self, x: torch.Tensor,
-                cu_seqlens: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]; ``cu_seqlens`` as :meth:`NSAttention.forward`."""
-        if cu_seqlens is None:
-            q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
+                cu_seqlens: torch.Tensor | PackedDocuments | None = None,
+                angles: PositionAngles | None = None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; ``cu_seqlens`` and ``angles`` as
+        :meth:`NSAttention.forward`."""
+        documents = None if cu_seqlens is None else as_packed_documents(cu_seqlens, x,
+                                                                       self.config.nsa)
+        if angles is None:
+            angles = self.position_angles(x.shape[1], documents, x.device)
+        q, k, v = self._project(x, angles.tokens)
+        if documents is None:
             return self.o_proj(self._attend(q, k, v, is_causal=True))
-        documents = as_packed_documents(cu_seqlens, x, self.config.nsa)
-        q, k, v = self._project(x, documents.positions)
         return self.o_proj(self._attend(q, k, v, attn_mask=documents.attention_mask()))
+
+    def position_angles(self, T: int, documents: PackedDocuments | None,
+                        device) -> PositionAngles:
+        """:meth:`NSAttention.position_angles` (the tokens' only)."""
+        positions = torch.arange(T, device=device) if documents is None else documents.positions
+        return PositionAngles(self.rope.angles(positions))
 
     def new_cache(self, batch: int, capacity: int, device, dtype) -> DenseCache:
         c = self.config
@@ -367,15 +397,16 @@ class DenseAttention(nn.Module):
                           torch.zeros(*shape, c.head_dim_v, device=device, dtype=dtype))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: DenseCache) -> torch.Tensor:
-        q, k, v = self._project(x, torch.arange(x.shape[1], device=x.device))
+        q, k, v = self._project(x, self.position_angles(x.shape[1], None, x.device).tokens)
         cache.k[:, :x.shape[1]] = k
         cache.v[:, :x.shape[1]] = v
         return self.o_proj(self._attend(q, k, v, is_causal=True))
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: DenseCache,
-               compress: bool = True) -> torch.Tensor:
+               compress: bool = True, angles: PositionAngles | None = None) -> torch.Tensor:
         """:meth:`NSAttention.decode` for dense attention (``compress`` has nothing to skip)."""
-        q, k, v = self._project(x, pos[:, None])
+        angles = self.rope.angles(pos[:, None]) if angles is None else angles.tokens
+        q, k, v = self._project(x, angles)
         write_at((cache.k, cache.v), pos, (k[:, 0], v[:, 0]))
         visible = torch.arange(cache.k.shape[1], device=x.device) <= pos[:, None]  # [B, S]
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),

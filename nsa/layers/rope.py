@@ -34,6 +34,30 @@ class RotaryFrequencies(nn.Module):
         self.inv_freq = rope_frequencies(self.head_dim, self.base, self.inv_freq.device)
         return self
 
+    def angles(self, positions: torch.Tensor):
+        """:func:`rope_angles` of ``positions`` at these frequencies: (cos, sin)."""
+        return rope_angles(positions, self.inv_freq)
+
+
+class PositionAngles:
+    """The RoPE angles one forward or decode step needs (:func:`rope_angles`' cos, sin,
+    float32): of each token's position (``tokens``), and, for NSA's forward, of each
+    compressed token's centre (``compressed``). They depend on the positions and the
+    frequencies only, so a model computes them once for all its layers (its attention layers'
+    ``position_angles``, or its first layer's ``rope`` for a decode step) and passes this
+    object to each block.
+
+    A plain class on purpose, not a tuple or a dataclass: FSDP2's mixed precision casts every
+    floating tensor it finds in a block's inputs, through tuples and dataclasses, to the
+    parameters' dtype (bf16), and the angles must stay float32."""
+
+    __slots__ = ("tokens", "compressed")
+
+    def __init__(self, tokens: tuple[torch.Tensor, torch.Tensor],
+                 compressed: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.tokens = tokens
+        self.compressed = compressed
+
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor):
     """cos, sin [B or 1, T, 1, D/2] of ``positions`` [T] or [B, T] (one row per sequence; float
@@ -82,9 +106,3 @@ def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + D/2) of ``x`` [B, T, heads, D] by ``positions`` [T] or
-    [B, T] (one row per sequence; float ok)."""
-    return rotate(x, *rope_angles(positions, inv_freq))

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nsa.layers.attention import attention_layer, completes_compressed_token
 from nsa.layers.documents import PackedDocuments, pack_documents
+from nsa.layers.rope import PositionAngles
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
 
@@ -35,17 +36,18 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.hidden_dim)
 
-    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), documents)
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None,
+                angles: PositionAngles | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents, angles)
         return x + self.mlp(self.mlp_norm(x))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
         x = x + self.attn.prefill(self.attn_norm(x), lengths, cache)
         return x + self.mlp(self.mlp_norm(x))
 
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache, compress: bool = True
-               ) -> torch.Tensor:
-        x = x + self.attn.decode(self.attn_norm(x), pos, cache, compress)
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache, compress: bool = True,
+               angles: PositionAngles | None = None) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), pos, cache, compress, angles)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -110,11 +112,14 @@ class LanguageModel(nn.Module):
                                        self.config.attention.nsa)
             self._check_length("a document of cu_seqlens", documents.max_length)
         x = self.embed(tokens)  # [B, T, dim]
+        # Every layer has the same RoPE frequencies (one attention config): the angles of the
+        # positions once per forward, not per layer (a few small kernels each).
+        angles = self.blocks[0].attn.position_angles(tokens.shape[1], documents, tokens.device)
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, documents, use_reentrant=False)  # recomputed in backward
+                x = checkpoint(block, x, documents, angles, use_reentrant=False)  # recomputed
             else:
-                x = block(x, documents)
+                x = block(x, documents, angles)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
@@ -187,8 +192,11 @@ class LanguageModel(nn.Module):
         token at this step (:meth:`completes_compressed_token`): most steps, d - 1 in d."""
         pos = cache.lengths
         x = self.embed(tokens)[:, None]  # [B, 1, dim]
+        # Every layer has the same RoPE frequencies (one attention config): the angles of pos
+        # once per step, not per layer (four small kernels each).
+        angles = PositionAngles(self.blocks[0].attn.rope.angles(pos[:, None]))
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
-            x = block.decode(x, pos, layer_cache, compress)
+            x = block.decode(x, pos, layer_cache, compress, angles)
         cache.lengths += 1
         return self.head(self.norm(x[:, 0]))
 

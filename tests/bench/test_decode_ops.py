@@ -40,3 +40,10 @@ def test_main_prints_the_table_and_the_ratio(capsys):
     assert f"{rows['nsa, mean'] / rows['dense']:.2f} averaged" in out
     assert 0 < rows["nsa, mean"] < rows["nsa, completing a compressed token"]
     assert rows["dense"] > 0
+
+
+def test_a_decode_step_computes_the_rope_angles_once_for_all_layers():
+    assert decode_ops.model_preset("tiny").num_layers > 1
+    for kind in ("nsa", "dense"):
+        counter = decode_ops.count_decode_step("tiny", kind, batch=2, prompt=40)
+        assert counter.layer["cos"] == counter.layer["sin"] == 1, kind

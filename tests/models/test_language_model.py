@@ -99,3 +99,41 @@ def test_activation_checkpointing_recomputes_the_same_graph():
     assert len(saved) < 40  # block internals are not kept for backward
     for (name, _), a, b in zip(model.named_parameters(), recomputed, plain, strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed-documents"])
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_a_forward_computes_the_rope_angles_once_for_all_layers(attention, packed):
+    """RoPE's cos/sin depend on the positions only: one set per forward (NSA: the tokens' and
+    the compressed tokens' centres), not one per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCos(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCos.calls += func.__name__.startswith("cos")
+            return func(*args, **(kwargs or {}))
+
+    model = LanguageModel(replace_fields(HANG_SHAPE, attention=attention, num_layers=3))
+    tokens = torch.randint(0, 256, (1, 100))
+    cu_seqlens = torch.tensor([0, 37, 100], dtype=torch.int32) if packed else None
+    with torch.no_grad(), CountCos():
+        model(tokens, cu_seqlens=cu_seqlens)
+    assert CountCos.calls == (2 if attention == "nsa" else 1)
+
+
+def test_fsdp_mixed_precision_leaves_the_shared_rope_angles_in_float32():
+    """FSDP2's MixedPrecisionPolicy casts the floating tensors of a block's inputs to bf16
+    (through tuples and dataclasses, with this function); the angles a model passes to its
+    blocks must come through as they are."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    model = LanguageModel(replace_fields(HANG_SHAPE, num_layers=1))
+    angles = model.blocks[0].attn.position_angles(40, None, torch.device("cpu"))
+    x = torch.randn(1, 40, 128)
+    to_bf16 = lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t  # noqa: E731
+    cast_x, _, cast_angles = _apply_to_tensors(to_bf16, (x, None, angles))
+    assert cast_x.dtype == torch.bfloat16  # what the policy does to a block's activations
+    assert cast_angles is angles
+    assert {t.dtype for t in (*angles.tokens, *angles.compressed)} == {torch.float32}
