@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 COMPRESSORS = ("mlp", "mean")
@@ -26,8 +29,16 @@ def blocks_from(x: torch.Tensor, first: torch.Tensor, block: int) -> torch.Tenso
 class Compressor(nn.Module):
     """phi of the paper: maps each block of ``block`` tokens to one token.
 
-    ``kind="mlp"`` (the paper's): add a learnable intra-block position embedding to the block,
+    ``kind="mlp"`` (the paper's): add a learnable intra-block position embedding P to the block,
     flatten it and pass it through a two-layer MLP. ``kind="mean"``: average the block.
+
+    The MLP's first product is linear, so W1·flatten(block + P) + b1 is computed as
+    W1·flatten(block) + (W1·flatten(P) + b1): the embedding enters through the bias, once per
+    call, instead of through a copy of every block. Blocks every ``stride`` tokens (no ``first``)
+    overlap when stride < block; they are then never built: the tokens are cut into chunks of
+    g = gcd(block, stride) tokens, one product takes each chunk against the block's c = block /
+    g slices of W1, and block i sums the products of its c chunks (:meth:`_strided_product`).
+    That reads each token once where the blocks would copy it block / stride times.
     """
 
     def __init__(self, head_dim: int, block: int, stride: int, kind: str = "mlp",
@@ -52,6 +63,33 @@ class Compressor(nn.Module):
             blocks = blocks_from(x, first, self.block)  # [B, Tc, H, l, D]
         if self.kind == "mean":
             return blocks.mean(dim=-2)
-        # The embedding in the blocks' dtype: a float32 one would promote the blocks (bf16 under
-        # autocast) to float32, for the MLP to cast back.
-        return self.mlp((blocks + self.position.to(blocks.dtype)).flatten(-2))
+        first_layer, activation, second_layer = self.mlp
+        # W1·flatten(P) + b1 [hidden]: the position embedding's share of every block's product.
+        bias = F.linear(self.position.flatten(), first_layer.weight, first_layer.bias)
+        if first is None and blocks.shape[1] > 0:
+            product = self._strided_product(x, blocks.shape[1])  # [B, Tc, H, hidden]
+        else:
+            product = F.linear(blocks.flatten(-2), first_layer.weight)
+        return second_layer(activation(product + bias))
+
+    def _strided_product(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """W1·flatten(x's block i) for the num_blocks >= 1 blocks every ``stride`` tokens of x
+        [B, T, H, D] -> [B, num_blocks, H, hidden], from chunks of g = gcd(block, stride) tokens:
+        block i is chunks i·s, ..., i·s + c - 1 (s = stride / g, c = block / g), and chunk m's
+        product with W1's slice j (the columns of the block's tokens j·g, ..., j·g + g - 1) is
+        every c-th column from j of one product of every chunk with W1 viewed as [hidden·c,
+        g·D] (row o·c + j: unit o's slice j)."""
+        B, T, H, D = x.shape
+        weight = self.mlp[0].weight  # [hidden, block·D]
+        hidden = weight.shape[0]
+        g = math.gcd(self.block, self.stride)
+        c, s = self.block // g, self.stride // g
+        num_chunks = (num_blocks - 1) * s + c  # <= T // g
+        chunks = (x[:, :num_chunks * g].reshape(B, num_chunks, g, H, D).transpose(2, 3)
+                  .reshape(B, num_chunks, H, g * D))  # one copy of the tokens used
+        products = F.linear(chunks, weight.view(hidden * c, g * D))  # [B, chunks, H, hidden·c]
+        end = (num_blocks - 1) * s + 1
+        out = products[:, 0:end:s, :, 0::c]
+        for j in range(1, c):
+            out = out + products[:, j:j + end:s, :, j::c]
+        return out

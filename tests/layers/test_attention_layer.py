@@ -109,6 +109,32 @@ def test_compressor_shapes_and_blocks(kind, T):
         torch.testing.assert_close(out[:, 1], x[:, 2:6].mean(dim=1))
 
 
+@pytest.mark.parametrize("block, stride, T", [
+    (32, 16, 100),  # the paper's: two chunks of 16 per block
+    (4, 2, 11), (6, 4, 23),  # chunks of gcd(l, d) = 2 tokens: 3 per block, every second one
+    (5, 5, 17), (4, 6, 19),  # blocks that do not overlap; gaps between them
+    (8, 3, 30),  # one-token chunks
+    (4, 2, 4), (4, 2, 3),  # one block; none
+])
+def test_mlp_compressor_is_the_mlp_of_each_block_plus_its_position_embedding(block, stride, T):
+    """The definition, float64, values and gradients: the forward computes the product from
+    chunks of gcd(l, d) tokens with the embedding in the bias, never building the blocks."""
+    torch.manual_seed(0)
+    comp = Compressor(head_dim=5, block=block, stride=stride).double()
+    x = torch.randn(2, T, 3, 5, dtype=torch.float64, requires_grad=True)
+    Tc = 0 if T < block else (T - block) // stride + 1
+    got = comp(x)
+    assert got.shape == (2, Tc, 3, 5)
+    if Tc:
+        blocks = torch.stack([x[:, i * stride:i * stride + block] for i in range(Tc)], dim=1)
+        want = comp.mlp((blocks.transpose(2, 3) + comp.position).flatten(-2))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        inputs = [x, *comp.parameters()]
+        for g, w in zip(torch.autograd.grad(got.square().sum(), inputs),
+                        torch.autograd.grad(want.square().sum(), inputs)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "overrides, name",
     [

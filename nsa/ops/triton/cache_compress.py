@@ -3,11 +3,11 @@ the mean compressor).
 
 When a step appends the last token of a compressed block (position i·d + l - 1), the layer
 compresses the block from the compressor's input ring and writes compressed token i. The
-PyTorch form (``NSAttention.decode``) gathers the ring, adds the compressor's position
-embedding, runs its MLP (two products, a GELU), rotates the key at the block's centre and
-writes both caches with their index arithmetic: about forty small kernels per layer on such a
-step, which a graphed decode step of a small model pays for kernel by kernel
-(bench/decode_ops.py). Here:
+PyTorch form (``NSAttention.decode``) gathers the ring, runs the compressor (the MLP's two
+products with the position embedding's share in the first's bias, a GELU), rotates the key at
+the block's centre and writes both caches with their index arithmetic: about forty small
+kernels per layer on such a step, which a graphed decode step of a small model pays for kernel
+by kernel (bench/decode_ops.py). Here:
 
 1. ``_first_product_kernel`` (MLP only), one program per (sequence, KV head, slice of the
    flattened block's l·D inputs): that slice of the first product, a float32 partial per
@@ -18,10 +18,12 @@ step, which a graphed decode step of a small model pays for kernel by kernel
    order (deterministic), bias, GELU, the second product (or the block's mean), the rotation
    at the block's centre, and the write where the step completes a token.
 
-The kernels compute what the PyTorch form computes in its dtypes: the block plus the position
-embedding in the ring's dtype, each product and the GELU rounded to the compute dtype (the
-autocast dtype, or the weights' dtype without autocast), products accumulated in float32, the
-rotated key rounded to the compute dtype, then stored in the cache's dtype. The rotation's
+The kernels compute what the PyTorch form computes in its dtypes: the first product of the
+block and, as a bias, that of the position embedding plus b1 (``Compressor``), each product
+and the GELU rounded to the compute dtype (the autocast dtype, or the weights' dtype without
+autocast), products accumulated in float32, the rotated key rounded to the compute dtype, then
+stored in the cache's dtype. (The PyTorch form sums a block's product from chunks of gcd(l, d)
+tokens, each rounded; here it is one sum: the results differ by that rounding.) The rotation's
 cos/sin come from a table of every compressed token's centre that the layer builds once with
 the PyTorch form's own ops (no trigonometry in the kernel: the same angles, bit for bit).
 """
@@ -50,15 +52,15 @@ def _block_start(POS, b, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _first_product_kernel(RING, POS, POSITION, W1, PARTIAL, COMPUTE_DTYPE,
+def _first_product_kernel(RING, POS, POSITION, W1, PARTIAL, POSITION_PARTIAL, COMPUTE_DTYPE,
                           stride_rb, stride_rs, stride_rh, H, HIDDEN,
                           CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
                           INPUTS: tl.constexpr, BLOCK_HID: tl.constexpr):
     """Program (b·H + h, s): PARTIAL[b·H + h, s, j] = Σ_f W1[j, f] · x[f] over inputs f of
     slice s (INPUTS of them), x = the flattened block (ring token (start + f // D) % l, channel
-    f % D) plus POSITION [l, D], in the ring's dtype, then the compute dtype."""
+    f % D) in the compute dtype; programs (0, s) also write POSITION_PARTIAL[s, j], the same
+    sum over the flattened POSITION [l, D] (the position embedding's share, for every row)."""
     COMPUTE = COMPUTE_DTYPE.dtype.element_ty
-    ring_ty = RING.dtype.element_ty
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -67,18 +69,21 @@ def _first_product_kernel(RING, POS, POSITION, W1, PARTIAL, COMPUTE_DTYPE,
     f_ok = f < CMP_BLOCK * D
     t = f // D
     row = RING + b.to(tl.int64) * stride_rb + h * stride_rh + ((start + t) % CMP_BLOCK) * stride_rs
-    x = tl.load(row + f % D, mask=f_ok, other=0.0)
-    x = (x + tl.load(POSITION + f, mask=f_ok, other=0.0).to(ring_ty)).to(ring_ty)
-    x = x.to(COMPUTE).to(tl.float32)
+    x = tl.load(row + f % D, mask=f_ok, other=0.0).to(COMPUTE).to(tl.float32)
     j = tl.arange(0, BLOCK_HID)
     w = tl.load(W1 + j[:, None] * (CMP_BLOCK * D) + f[None, :],
-                mask=(j < HIDDEN)[:, None] & f_ok[None, :], other=0.0)
-    partial = tl.sum(w.to(COMPUTE).to(tl.float32) * x[None, :], axis=1)
+                mask=(j < HIDDEN)[:, None] & f_ok[None, :], other=0.0).to(COMPUTE).to(tl.float32)
+    partial = tl.sum(w * x[None, :], axis=1)
     tl.store(PARTIAL + (bh * tl.num_programs(1) + tl.program_id(1)) * BLOCK_HID + j, partial)
+    if bh == 0:
+        p = tl.load(POSITION + f, mask=f_ok, other=0.0).to(COMPUTE).to(tl.float32)
+        tl.store(POSITION_PARTIAL + tl.program_id(1) * BLOCK_HID + j,
+                 tl.sum(w * p[None, :], axis=1))
 
 
 @triton.jit
-def _finish_kernel(RING, POS, PARTIAL, B1, W2, B2, COS, SIN, OUT, COMPUTE_DTYPE,
+def _finish_kernel(RING, POS, PARTIAL, POSITION_PARTIAL, B1, W2, B2, COS, SIN, OUT,
+                   COMPUTE_DTYPE,
                    stride_rb, stride_rs, stride_rh, stride_ob, stride_on, stride_oh,
                    H, NUM_CMP, HIDDEN, SLICES,
                    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
@@ -87,8 +92,8 @@ def _finish_kernel(RING, POS, PARTIAL, B1, W2, B2, COS, SIN, OUT, COMPUTE_DTYPE,
                    ROTATE: tl.constexpr):
     """Program b·H + h: if appending POS[b] completes compressed token i, OUT[b, i, h] = the
     compressor's output (MLP: the SLICES partials of PARTIAL summed, BLOCK_SLICES at a time,
-    + B1, GELU, W2 [D,
-    HIDDEN], + B2; else the mean of the block in RING [B, l, H, D]), rotated at the block's
+    + the bias (POSITION_PARTIAL's summed the same way, + B1), GELU, W2 [D, HIDDEN], + B2;
+    else the mean of the block in RING [B, l, H, D]), rotated at the block's
     centre by COS/SIN [NUM_CMP, HALF] when ROTATE. Channels are handled as two halves, [0,
     HALF) and [HALF, D) (the rotation's pairs)."""
     COMPUTE = COMPUTE_DTYPE.dtype.element_ty
@@ -104,13 +109,18 @@ def _finish_kernel(RING, POS, PARTIAL, B1, W2, B2, COS, SIN, OUT, COMPUTE_DTYPE,
         j = tl.arange(0, BLOCK_HID)
         j_ok = j < HIDDEN
         acc = tl.zeros([BLOCK_HID], tl.float32)
+        acc_position = tl.zeros([BLOCK_HID], tl.float32)
         for s0 in range(0, SLICES, BLOCK_SLICES):  # a fixed order: deterministic
             s = s0 + tl.arange(0, BLOCK_SLICES)
             parts = tl.load(PARTIAL + (bh * SLICES + s[:, None]) * BLOCK_HID + j[None, :],
                             mask=(s < SLICES)[:, None], other=0.0)
             acc += tl.sum(parts, axis=0)
-        bias = tl.load(B1 + j, mask=j_ok, other=0.0).to(COMPUTE).to(tl.float32)
-        hidden = (acc + bias).to(COMPUTE).to(tl.float32)
+            parts = tl.load(POSITION_PARTIAL + s[:, None] * BLOCK_HID + j[None, :],
+                            mask=(s < SLICES)[:, None], other=0.0)
+            acc_position += tl.sum(parts, axis=0)
+        b1 = tl.load(B1 + j, mask=j_ok, other=0.0).to(COMPUTE).to(tl.float32)
+        bias = (acc_position + b1).to(COMPUTE).to(tl.float32)
+        hidden = (acc.to(COMPUTE).to(tl.float32) + bias).to(COMPUTE).to(tl.float32)
         hidden = (0.5 * hidden * (1.0 + tl.erf(hidden * 0.7071067811865476))).to(COMPUTE)
         hidden = hidden.to(tl.float32)
         w2 = W2 + i[:, None] * HIDDEN + j[None, :]
@@ -168,7 +178,7 @@ def compress_step_triton(ring: torch.Tensor, pos: torch.Tensor, compressor, out:
                                            or inputs_per_program & (inputs_per_program - 1)):
         raise ValueError(f"inputs_per_program must be a power of two, got {inputs_per_program}")
     hidden, slices, block_hid = 1, 1, 1
-    partial = bias1 = w2 = bias2 = out  # not read by the mean compressor
+    partial = position_partial = bias1 = w2 = bias2 = out  # not read by the mean compressor
     if mlp:
         first, last = compressor.mlp[0], compressor.mlp[2]
         hidden, block_hid = first.out_features, pow2(first.out_features, 1)
@@ -177,14 +187,16 @@ def compress_step_triton(ring: torch.Tensor, pos: torch.Tensor, compressor, out:
         slices = triton.cdiv(block * D, inputs)
         partial = torch.empty(B * H, slices, block_hid, dtype=torch.float32,
                               device=ring.device)
+        position_partial = torch.empty(slices, block_hid, dtype=torch.float32,
+                                       device=ring.device)
         _first_product_kernel[(B * H, slices)](
             ring, pos, compressor.position.contiguous(), first.weight.contiguous(), partial,
-            compute, *ring_strides, H, hidden, CMP_BLOCK=block, CMP_STRIDE=compressor.stride,
+            position_partial, compute, *ring_strides, H, hidden, CMP_BLOCK=block, CMP_STRIDE=compressor.stride,
             D=D, INPUTS=inputs, BLOCK_HID=block_hid, num_warps=4)
         bias1, w2, bias2 = (w.contiguous() for w in (first.bias, last.weight, last.bias))
     half = (D + 1) // 2
     _finish_kernel[(B * H,)](
-        ring, pos, partial, bias1, w2, bias2, cos, sin, out, compute, *ring_strides,
+        ring, pos, partial, position_partial, bias1, w2, bias2, cos, sin, out, compute, *ring_strides,
         out.stride(0), out.stride(1), out.stride(2), H, out.shape[1], hidden, slices,
         CMP_BLOCK=block, CMP_STRIDE=compressor.stride, D=D, HALF=half,
         BLOCK_HALF=pow2(half, 1), BLOCK_HID=block_hid,
