@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,11 +32,13 @@ class Compressor(nn.Module):
 
     The MLP's first product is linear, so W1·flatten(block + P) + b1 is computed as
     W1·flatten(block) + (W1·flatten(P) + b1): the embedding enters through the bias, once per
-    call, instead of through a copy of every block. Blocks every ``stride`` tokens (no ``first``)
-    overlap when stride < block; they are then never built: the tokens are cut into chunks of
-    g = gcd(block, stride) tokens, one product takes each chunk against the block's c = block /
-    g slices of W1, and block i sums the products of its c chunks (:meth:`_strided_product`).
-    That reads each token once where the blocks would copy it block / stride times.
+    call, instead of through a copy of every block. Blocks every ``stride`` tokens (no
+    ``first``; the stride divides the block, as NSA_SPEC.md asks) are never built: the tokens
+    are cut into chunks of ``stride`` tokens, one product takes each chunk against the block's
+    c = block / stride slices of W1, and block i sums the products of chunks i, ..., i + c - 1
+    (:meth:`_strided_product`). That reads each token once where the blocks would copy it c
+    times, for c - 1 extra chunks of products per sequence and head. Blocks from given starts
+    (packed documents) are gathered.
     """
 
     def __init__(self, head_dim: int, block: int, stride: int, kind: str = "mlp",
@@ -46,6 +46,8 @@ class Compressor(nn.Module):
         super().__init__()
         if kind not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {kind!r}")
+        if block % stride:
+            raise ValueError(f"stride ({stride}) must divide block ({block})")
         self.block, self.stride, self.kind = block, stride, kind
         if kind == "mlp":
             hidden = hidden or 2 * head_dim
@@ -74,22 +76,20 @@ class Compressor(nn.Module):
 
     def _strided_product(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """W1·flatten(x's block i) for the num_blocks >= 1 blocks every ``stride`` tokens of x
-        [B, T, H, D] -> [B, num_blocks, H, hidden], from chunks of g = gcd(block, stride) tokens:
-        block i is chunks i·s, ..., i·s + c - 1 (s = stride / g, c = block / g), and chunk m's
-        product with W1's slice j (the columns of the block's tokens j·g, ..., j·g + g - 1) is
+        [B, T, H, D] -> [B, num_blocks, H, hidden]: block i is chunks i, ..., i + c - 1 of
+        ``stride`` tokens (c = block / stride), and chunk m's
+        product with W1's slice j (the columns of the block's tokens j·d, ..., j·d + d - 1) is
         every c-th column from j of one product of every chunk with W1 viewed as [hidden·c,
-        g·D] (row o·c + j: unit o's slice j)."""
+        d·D] (row o·c + j: unit o's slice j)."""
         B, T, H, D = x.shape
         weight = self.mlp[0].weight  # [hidden, block·D]
         hidden = weight.shape[0]
-        g = math.gcd(self.block, self.stride)
-        c, s = self.block // g, self.stride // g
-        num_chunks = (num_blocks - 1) * s + c  # <= T // g
-        chunks = (x[:, :num_chunks * g].reshape(B, num_chunks, g, H, D).transpose(2, 3)
-                  .reshape(B, num_chunks, H, g * D))  # one copy of the tokens used
-        products = F.linear(chunks, weight.view(hidden * c, g * D))  # [B, chunks, H, hidden·c]
-        end = (num_blocks - 1) * s + 1
-        out = products[:, 0:end:s, :, 0::c]
+        d, c = self.stride, self.block // self.stride
+        num_chunks = num_blocks + c - 1  # <= T // d
+        chunks = (x[:, :num_chunks * d].reshape(B, num_chunks, d, H, D).transpose(2, 3)
+                  .reshape(B, num_chunks, H, d * D))  # one copy of the tokens used
+        products = F.linear(chunks, weight.view(hidden * c, d * D))  # [B, chunks, H, hidden·c]
+        out = products[:, :num_blocks, :, 0::c]
         for j in range(1, c):
-            out = out + products[:, j:j + end:s, :, j::c]
+            out = out + products[:, j:j + num_blocks, :, j::c]
         return out

@@ -86,7 +86,9 @@ def attention_flops_breakdown(config: ModelConfig, seq_len: int) -> dict[str, fl
 
 
 def compressor_flops(config: ModelConfig) -> int:
-    """Forward FLOPs to make one compressed key and value for every KV head."""
+    """Forward FLOPs to make one compressed key and value for every KV head: the model's
+    count. The layer runs a little more per call (Compressor: the position embedding's product
+    once, and c - 1 extra chunks of the chunked product per sequence and KV head)."""
     a = config.attention
     if a.compressor != "mlp":
         return 0

@@ -111,14 +111,14 @@ def test_compressor_shapes_and_blocks(kind, T):
 
 @pytest.mark.parametrize("block, stride, T", [
     (32, 16, 100),  # the paper's: two chunks of 16 per block
-    (4, 2, 11), (6, 4, 23),  # chunks of gcd(l, d) = 2 tokens: 3 per block, every second one
-    (5, 5, 17), (4, 6, 19),  # blocks that do not overlap; gaps between them
-    (8, 3, 30),  # one-token chunks
+    (4, 2, 11), (6, 2, 23),  # two and three chunks per block
+    (5, 5, 17),  # blocks that do not overlap: one chunk each
+    (8, 1, 30),  # one-token chunks
     (4, 2, 4), (4, 2, 3),  # one block; none
 ])
 def test_mlp_compressor_is_the_mlp_of_each_block_plus_its_position_embedding(block, stride, T):
-    """The definition, float64, values and gradients: the forward computes the product from
-    chunks of gcd(l, d) tokens with the embedding in the bias, never building the blocks."""
+    """The definition, float64, values and gradients: the forward takes the embedding in the
+    bias and the product from chunks of stride tokens, never building the blocks."""
     torch.manual_seed(0)
     comp = Compressor(head_dim=5, block=block, stride=stride).double()
     x = torch.randn(2, T, 3, 5, dtype=torch.float64, requires_grad=True)
@@ -133,6 +133,11 @@ def test_mlp_compressor_is_the_mlp_of_each_block_plus_its_position_embedding(blo
         for g, w in zip(torch.autograd.grad(got.square().sum(), inputs),
                         torch.autograd.grad(want.square().sum(), inputs)):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_compressor_stride_must_divide_its_block():
+    with pytest.raises(ValueError, match=r"stride \(3\) must divide block \(8\)"):
+        Compressor(head_dim=5, block=8, stride=3)
 
 
 @pytest.mark.parametrize(

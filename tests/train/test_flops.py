@@ -82,6 +82,19 @@ def test_selected_keys_are_a_lower_bound_without_a_forced_local_block():
     assert counted <= exact
 
 
+def compressor_extra_flops(config: ModelConfig) -> int:
+    """FLOPs one layer's compressors run beyond the model's count (one MLP per compressed
+    token) for one sequence: the position embedding's product (the first layer's bias, once per
+    call) and the chunked product's c - 1 extra chunks per head (Compressor)."""
+    a, p = config.attention, config.attention.nsa
+    extra_chunks = p.cmp_block // p.cmp_stride - 1
+    total = 0
+    for head_dim in (a.head_dim_k, a.head_dim_v):
+        hidden = a.compressor_hidden or 2 * head_dim
+        total += 2 * (a.num_kv_heads * extra_chunks + 1) * p.cmp_block * head_dim * hidden
+    return total
+
+
 def test_compressor_flops_match_torch_flop_counter():
     config = replace_fields(ModelConfig(), **SMALL, compressor_hidden=24, num_layers=2)
     seq_len = 43
@@ -89,10 +102,12 @@ def test_compressor_flops_match_torch_flop_counter():
     with FlopCounterMode(display=False) as counter:
         model(torch.zeros(1, seq_len, dtype=torch.long))
     counts = counter.get_flop_counts()
-    measured = sum(counts[f"LanguageModel.blocks.{i}.attn.compress_{kv}"][torch.ops.aten.addmm]
+    measured = sum(sum(counts[f"LanguageModel.blocks.{i}.attn.compress_{kv}"].values())
                    for i in range(2) for kv in "kv")
     per_token = attention_flops_breakdown(config, seq_len)["compressor"]
-    assert measured == pytest.approx(2 * per_token * seq_len, rel=1e-12)
+    layers = config.num_layers
+    assert measured == pytest.approx(layers * (per_token * seq_len + compressor_extra_flops(config)),
+                                     rel=1e-12)
     assert compressor_flops(replace_fields(config, compressor="mean")) == 0
 
 
@@ -122,7 +137,8 @@ def test_linear_flops_match_torch_flop_counter():
     model_counts = counter.get_flop_counts()["LanguageModel"]
     assert set(model_counts) == {torch.ops.aten.mm, torch.ops.aten.addmm}
     linear = model_counts[torch.ops.aten.mm] + model_counts[torch.ops.aten.addmm]
-    compressors = attention_flops_breakdown(config, seq_len)["compressor"] * config.num_layers
+    compressors = config.num_layers * (attention_flops_breakdown(config, seq_len)["compressor"]
+                                       + compressor_extra_flops(config) / seq_len)
     # fused_linear pads each projection's rows to FUSED_ALIGN: zero rows multiplied all the same
     padding = sum(2 * layer.in_features * (-layer.out_features % FUSED_ALIGN)
                   for attention in model.modules() if isinstance(attention, NSAttention)
