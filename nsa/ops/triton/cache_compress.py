@@ -22,7 +22,7 @@ The kernels compute what the PyTorch form computes in its dtypes: the first prod
 block and, as a bias, that of the position embedding plus b1 (``Compressor``), each product
 and the GELU rounded to the compute dtype (the autocast dtype, or the weights' dtype without
 autocast), products accumulated in float32, the rotated key rounded to the compute dtype, then
-stored in the cache's dtype. (The PyTorch form sums a block's product from chunks of gcd(l, d)
+stored in the cache's dtype. (The PyTorch form sums a block's product from chunks of d
 tokens, each rounded; here it is one sum: the results differ by that rounding.) The rotation's
 cos/sin come from a table of every compressed token's centre that the layer builds once with
 the PyTorch form's own ops (no trigonometry in the kernel: the same angles, bit for bit).
