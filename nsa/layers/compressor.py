@@ -77,10 +77,10 @@ class Compressor(nn.Module):
     def _strided_product(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """W1·flatten(x's block i) for the num_blocks >= 1 blocks every ``stride`` tokens of x
         [B, T, H, D] -> [B, num_blocks, H, hidden]: block i is chunks i, ..., i + c - 1 of
-        ``stride`` tokens (c = block / stride), and chunk m's
-        product with W1's slice j (the columns of the block's tokens j·d, ..., j·d + d - 1) is
-        every c-th column from j of one product of every chunk with W1 viewed as [hidden·c,
-        d·D] (row o·c + j: unit o's slice j)."""
+        ``stride`` tokens (c = block / stride), and chunk m's product with W1's slice j (the
+        columns of the block's tokens j·d, ..., j·d + d - 1) is every c-th column from j of one
+        product of every chunk with W1 viewed as [hidden·c, d·D] (row o·c + j: unit o's slice
+        j)."""
         B, T, H, D = x.shape
         weight = self.mlp[0].weight  # [hidden, block·D]
         hidden = weight.shape[0]
