@@ -303,8 +303,9 @@ class NSAttention(nn.Module):
 
     def _append_compressed(self, cache: NSACache, pos: torch.Tensor) -> None:
         """Write the compressed token that appending positions ``pos`` [B] completes (where
-        one does) from the compressor's input rings into cache.k_cmp / v_cmp: one Triton
-        kernel per set on CUDA (nsa/ops/triton/cache_compress.py), PyTorch ops otherwise."""
+        one does) from the compressor's input rings into cache.k_cmp / v_cmp: two Triton
+        kernels per set on CUDA, one for the mean compressor (nsa/ops/triton/cache_compress.py),
+        PyTorch ops otherwise."""
         c, p = self.config, self.config.nsa
         num_cmp = cache.k_cmp.shape[1]
         if cache.src_k.is_cuda and TRITON_AVAILABLE:

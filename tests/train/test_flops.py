@@ -105,9 +105,8 @@ def test_compressor_flops_match_torch_flop_counter():
     measured = sum(sum(counts[f"LanguageModel.blocks.{i}.attn.compress_{kv}"].values())
                    for i in range(2) for kv in "kv")
     per_token = attention_flops_breakdown(config, seq_len)["compressor"]
-    layers = config.num_layers
-    assert measured == pytest.approx(layers * (per_token * seq_len + compressor_extra_flops(config)),
-                                     rel=1e-12)
+    per_layer = per_token * seq_len + compressor_extra_flops(config)
+    assert measured == pytest.approx(config.num_layers * per_layer, rel=1e-12)
     assert compressor_flops(replace_fields(config, compressor="mean")) == 0
 
 

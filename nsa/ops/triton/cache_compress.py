@@ -191,13 +191,13 @@ def compress_step_triton(ring: torch.Tensor, pos: torch.Tensor, compressor, out:
                                        device=ring.device)
         _first_product_kernel[(B * H, slices)](
             ring, pos, compressor.position.contiguous(), first.weight.contiguous(), partial,
-            position_partial, compute, *ring_strides, H, hidden, CMP_BLOCK=block, CMP_STRIDE=compressor.stride,
-            D=D, INPUTS=inputs, BLOCK_HID=block_hid, num_warps=4)
+            position_partial, compute, *ring_strides, H, hidden, CMP_BLOCK=block,
+            CMP_STRIDE=compressor.stride, D=D, INPUTS=inputs, BLOCK_HID=block_hid, num_warps=4)
         bias1, w2, bias2 = (w.contiguous() for w in (first.bias, last.weight, last.bias))
     half = (D + 1) // 2
     _finish_kernel[(B * H,)](
-        ring, pos, partial, position_partial, bias1, w2, bias2, cos, sin, out, compute, *ring_strides,
-        out.stride(0), out.stride(1), out.stride(2), H, out.shape[1], hidden, slices,
+        ring, pos, partial, position_partial, bias1, w2, bias2, cos, sin, out, compute,
+        *ring_strides, out.stride(0), out.stride(1), out.stride(2), H, out.shape[1], hidden, slices,
         CMP_BLOCK=block, CMP_STRIDE=compressor.stride, D=D, HALF=half,
         BLOCK_HALF=pow2(half, 1), BLOCK_HID=block_hid,
         BLOCK_SLICES=min(pow2(slices, 1), max(1, FIRST_PRODUCT_TILE // block_hid)),
