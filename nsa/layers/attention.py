@@ -97,21 +97,40 @@ class AttentionConfig:
 FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
 
 
-def fused_linear(x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
+def fused_weight(*layers: nn.Linear) -> torch.Tensor:
+    """The layers' weights as one [Σ padded out_features, in_features] matrix: each layer's
+    rows padded with zero rows to a multiple of ``FUSED_ALIGN``."""
+    return torch.cat([F.pad(layer.weight, (0, 0, 0, pad)) if pad else layer.weight
+                      for layer, pad in ((layer, -layer.out_features % FUSED_ALIGN)
+                                         for layer in layers)])
+
+
+def fused_linear(x: torch.Tensor, *layers: nn.Linear,
+                 weight: torch.Tensor | None = None) -> list[torch.Tensor]:
     """x through several linear layers as one product, their weights concatenated at each call
     (the parameters stay the layers' own): under autocast x is cast once, and the backward
     runs one product for x's gradient instead of one per layer plus their sum. Each output is
     a view of the product's columns (its bias added in the output's dtype); each layer's
     columns are padded with zero rows to a multiple of ``FUSED_ALIGN``, so every view starts
-    and strides on 16 bytes (a stride off that slows every kernel that reads the view)."""
-    pads = [-layer.out_features % FUSED_ALIGN for layer in layers]
-    weight = torch.cat([F.pad(layer.weight, (0, 0, 0, pad)) if pad else layer.weight
-                        for layer, pad in zip(layers, pads, strict=True)])
-    widths = [width for layer, pad in zip(layers, pads, strict=True)
-              for width in (layer.out_features, pad)]
+    and strides on 16 bytes (a stride off that slows every kernel that reads the view).
+    ``weight``: :func:`fused_weight` of the layers, made once by a caller whose weights do not
+    change between calls (a decode cache), instead of at this call."""
+    if weight is None:
+        weight = fused_weight(*layers)
+    widths = [width for layer in layers
+              for width in (layer.out_features, -layer.out_features % FUSED_ALIGN)]
     outputs = F.linear(x, weight).split(widths, dim=-1)[::2]  # [..., sum of padded widths]
     return [out if layer.bias is None else out + layer.bias.to(out.dtype)
             for out, layer in zip(outputs, layers, strict=True)]
+
+
+def decode_projection(layers) -> torch.Tensor:
+    """:func:`fused_weight` of ``layers`` for a decode cache (detached), made with the cache
+    (under FSDP2 from the gathered weights: a block's ``new_cache`` is one of its forward
+    methods), so that a decode step does not concatenate (and pad) the weights at every token.
+    A cache so reads the weights as they were when it was made."""
+    with torch.no_grad():
+        return fused_weight(*layers)
 
 
 class NSAttention(nn.Module):
@@ -143,15 +162,16 @@ class NSAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
-    def _projections(self, x: torch.Tensor):
+    def _projections(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         """[B, T, dim] -> (queries [B, T, HQ, Dk] before RoPE, the branches' K/V sets
-        [B, T, sets, H, Dk + Dv], gates [B, T, HQ, 3]), from one product (:func:`fused_linear`).
+        [B, T, sets, H, Dk + Dv], gates [B, T, HQ, 3]), from one product (:func:`fused_linear`;
+        ``weight``: the fused weight a decode cache keeps).
         The gates are sigmoids, or a one-hot when a branch is forced: then the sigmoids enter
         times zero, so ``gate_proj`` still gets a (zero) gradient, as every parameter must on
         every rank (DDP waits for each one)."""
         c = self.config
         B, T, _ = x.shape
-        q, kv, gate_logits = fused_linear(x, self.q_proj, self.kv_proj, self.gate_proj)
+        q, kv, gate_logits = fused_linear(x, *self._fused_layers(), weight=weight)
         gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
         if c.force_branch is not None:
             # Built on the device (no host-to-device copy: CUDA graph capture refuses one).
@@ -160,6 +180,10 @@ class NSAttention(nn.Module):
         return (q.view(B, T, c.num_heads, c.head_dim_k),
                 kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
                 gates)
+
+    def _fused_layers(self) -> tuple[nn.Linear, ...]:
+        """The projections :meth:`_projections` takes as one product, in its order."""
+        return self.q_proj, self.kv_proj, self.gate_proj
 
     def _project(self, x: torch.Tensor, angles):
         """x [B, T, dim] at positions of RoPE ``angles`` (cos, sin of :func:`rope_angles`) ->
@@ -257,7 +281,8 @@ class NSAttention(nn.Module):
             k_win=zeros(p.window, c.head_dim_k) if ring else None,
             v_win=zeros(p.window, c.head_dim_v) if ring else None,
             src_k=zeros(p.cmp_block, c.head_dim_k), src_v=zeros(p.cmp_block, c.head_dim_v),
-            k_cmp=zeros(num_cmp, c.head_dim_k), v_cmp=zeros(num_cmp, c.head_dim_v))
+            k_cmp=zeros(num_cmp, c.head_dim_k), v_cmp=zeros(num_cmp, c.head_dim_v),
+            projection=decode_projection(self._fused_layers()))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: NSACache) -> torch.Tensor:
         """forward(x) for [B, P, dim] prompts, right-padded (sequence b is ``lengths[b]``
@@ -290,7 +315,7 @@ class NSAttention(nn.Module):
         c, p = self.config, self.config.nsa
         B = x.shape[0]
         angles = self.rope.angles(pos[:, None]) if angles is None else angles.tokens
-        q, kv, gates = self._projections(x)
+        q, kv, gates = self._projections(x, cache.projection)
         q = rotate(q, *angles)
         append_kv(cache, kv, *angles, pos)
         if cache.k_cmp.shape[1] and compress:
@@ -352,11 +377,12 @@ class DenseAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
 
-    def _project(self, x: torch.Tensor, angles):
-        """x [B, T, dim] at positions of RoPE ``angles`` -> q, k (rotated), v."""
+    def _project(self, x: torch.Tensor, angles, weight: torch.Tensor | None = None):
+        """x [B, T, dim] at positions of RoPE ``angles`` -> q, k (rotated), v (``weight``: the
+        fused weight a decode cache keeps)."""
         c = self.config
         B, T, _ = x.shape
-        q, kv = fused_linear(x, self.q_proj, self.kv_proj)
+        q, kv = fused_linear(x, self.q_proj, self.kv_proj, weight=weight)
         q = rotate(q.view(B, T, c.num_heads, c.head_dim_k), *angles)
         kv = kv.view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
@@ -395,7 +421,8 @@ class DenseAttention(nn.Module):
         c = self.config
         shape = (batch, capacity, c.num_kv_heads)
         return DenseCache(torch.zeros(*shape, c.head_dim_k, device=device, dtype=dtype),
-                          torch.zeros(*shape, c.head_dim_v, device=device, dtype=dtype))
+                          torch.zeros(*shape, c.head_dim_v, device=device, dtype=dtype),
+                          decode_projection((self.q_proj, self.kv_proj)))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: DenseCache) -> torch.Tensor:
         q, k, v = self._project(x, self.position_angles(x.shape[1], None, x.device).tokens)
@@ -407,7 +434,7 @@ class DenseAttention(nn.Module):
                compress: bool = True, angles: PositionAngles | None = None) -> torch.Tensor:
         """:meth:`NSAttention.decode` for dense attention (``compress`` has nothing to skip)."""
         angles = self.rope.angles(pos[:, None]) if angles is None else angles.tokens
-        q, k, v = self._project(x, angles)
+        q, k, v = self._project(x, angles, cache.projection)
         write_at((cache.k, cache.v), pos, (k[:, 0], v[:, 0]))
         visible = torch.arange(cache.k.shape[1], device=x.device) <= pos[:, None]  # [B, S]
         out = self._attend(q, cache.k.to(q.dtype), cache.v.to(q.dtype),

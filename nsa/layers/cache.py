@@ -21,6 +21,9 @@ class NSACache:
     the window branch's own keys/values (position p at slot p % w), or None when shared.
     src_k, src_v [B, l, H, D]: ring of the last l un-rotated compressed-branch keys/values, the
     compressor's input. k_cmp, v_cmp [B, C, H, D]: compressed tokens, appended when complete.
+    projection: the layer's fused projection weight (q, K/V sets, gates; attention.py,
+    ``decode_projection``), made with the cache so that a step does not concatenate the weights
+    again; None: each step does.
     """
 
     k: torch.Tensor
@@ -31,14 +34,17 @@ class NSACache:
     src_v: torch.Tensor
     k_cmp: torch.Tensor
     v_cmp: torch.Tensor
+    projection: torch.Tensor | None = None
 
 
 @dataclass
 class DenseCache:
-    """Keys (RoPE applied) and values by position, [B, S, H, D]."""
+    """Keys (RoPE applied) and values by position, [B, S, H, D]; ``projection`` as in
+    :class:`NSACache` (q and K/V)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    projection: torch.Tensor | None = None
 
 
 def write_at(buffers: tuple[torch.Tensor, ...], index: torch.Tensor,

@@ -41,6 +41,11 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), documents, angles)
         return x + self.mlp(self.mlp_norm(x))
 
+    def new_cache(self, batch: int, capacity: int, device, dtype):
+        """The attention layer's decode cache (a method of the block so that FSDP2 gathers the
+        weights the cache keeps: nsa.train.distributed)."""
+        return self.attn.new_cache(batch, capacity, device, dtype)
+
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
         x = x + self.attn.prefill(self.attn_norm(x), lengths, cache)
         return x + self.mlp(self.mlp_norm(x))
@@ -153,7 +158,7 @@ class LanguageModel(nn.Module):
         if dtype is None:
             dtype = (torch.get_autocast_dtype(device.type)
                      if torch.is_autocast_enabled(device.type) else self.embed.weight.dtype)
-        layers = [block.attn.new_cache(batch, capacity, device, dtype) for block in self.blocks]
+        layers = [block.new_cache(batch, capacity, device, dtype) for block in self.blocks]
         return ModelCache(torch.zeros(batch, dtype=torch.long, device=device), layers)
 
     def prefill(self, tokens: torch.Tensor, cache: ModelCache,

@@ -163,12 +163,13 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32)
         # Decoding enters blocks and the root through methods other than forward: FSDP must
-        # gather their parameters around those calls too.
+        # gather their parameters around those calls too (a block's new_cache keeps a fused
+        # copy of its projection weights).
         blocks = list(model.blocks)
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy,
                         reshard_after_forward=fsdp_reshard)
-            for method in ("prefill", "decode"):
+            for method in ("new_cache", "prefill", "decode"):
                 register_fsdp_forward_method(block, method)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for method in ("prefill", "decode_step"):

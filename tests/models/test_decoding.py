@@ -121,6 +121,40 @@ def test_dense_model_decodes_like_its_forward():
         torch.testing.assert_close(logits, full[b, position], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_a_cache_keeps_the_fused_projection_its_steps_would_concatenate(attention):
+    """The fused projection weight is made once with the cache (detached; each step would
+    otherwise pad and concatenate the weights): steps with it equal steps that concatenate at
+    every token, bit for bit, and they read the weights as they were when it was made."""
+    model = model_for(4, 2, attention=attention)
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([5, 9])
+
+    def run(cache):
+        logits = [model.prefill(tokens[:, :9], cache, lengths)]
+        for _ in range(8):
+            logits.append(model.decode_step(tokens[torch.arange(2), cache.lengths], cache))
+        return torch.stack(logits)
+
+    with torch.no_grad():
+        kept = model.new_cache(2, 20)
+        each_step = model.new_cache(2, 20)
+        for layer, block in zip(kept.layers, model.blocks, strict=True):
+            assert not layer.projection.requires_grad
+            assert layer.projection.shape[1] == block.attn.q_proj.in_features
+        for layer in each_step.layers:
+            layer.projection = None
+        assert torch.equal(run(kept), run(each_step))
+        # A cache made while a weight was changed decodes differently after the weight is
+        # restored: its steps read the weights it keeps.
+        weight = model.blocks[0].attn.q_proj.weight
+        restore = weight.clone()
+        weight.add_(1.0)
+        changed = model.new_cache(2, 20)
+        weight.copy_(restore)
+        assert not torch.equal(run(changed), run(kept))
+
+
 def test_mean_compressor_and_no_forced_initial_block():
     model = model_for(4, 2, compressor="mean", num_init=0, num_local=1)
     tokens = torch.randint(0, 50, (1, T), generator=torch.Generator().manual_seed(3))
