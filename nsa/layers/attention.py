@@ -383,7 +383,7 @@ class DenseAttention(nn.Module):
         fused weight a decode cache keeps)."""
         c = self.config
         B, T, _ = x.shape
-        q, kv = fused_linear(x, self.q_proj, self.kv_proj, weight=weight)
+        q, kv = fused_linear(x, *self._fused_layers(), weight=weight)
         q = rotate(q.view(B, T, c.num_heads, c.head_dim_k), *angles)
         kv = kv.view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
         k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
@@ -397,6 +397,10 @@ class DenseAttention(nn.Module):
             enable_gqa=c.num_heads != c.num_kv_heads, **mask,
         )  # [B, HQ, T, Dv]
         return out.transpose(1, 2).flatten(2)
+
+    def _fused_layers(self) -> tuple[nn.Linear, ...]:
+        """The projections :meth:`_project` takes as one product, in its order."""
+        return self.q_proj, self.kv_proj
 
     def forward(self, x: torch.Tensor,
                 cu_seqlens: torch.Tensor | PackedDocuments | None = None,
@@ -423,7 +427,7 @@ class DenseAttention(nn.Module):
         shape = (batch, capacity, c.num_kv_heads)
         return DenseCache(torch.zeros(*shape, c.head_dim_k, device=device, dtype=dtype),
                           torch.zeros(*shape, c.head_dim_v, device=device, dtype=dtype),
-                          decode_projection((self.q_proj, self.kv_proj)))
+                          decode_projection(self._fused_layers()))
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: DenseCache) -> torch.Tensor:
         q, k, v = self._project(x, self.position_angles(x.shape[1], None, x.device).tokens)
