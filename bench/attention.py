@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import peers  # bench/peers.py (bench/ is on sys.path when this file is run)
 import torch
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nsa
+from nsa.train.checkpoint import atomic_write
 
 PAPER = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
@@ -319,13 +321,14 @@ def main(argv=None):
             else:
                 print(f"| {T} | {hq} | {h} | {d} | {impl} | {_cell(r)} | | |", flush=True)
             torch.cuda.empty_cache()
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"meta": meta, "rows": results}, f, indent=1)
+            if args.json:  # after every row: a call that runs out of time keeps the rows
+                record = json.dumps({"meta": meta, "rows": results}, indent=1).encode()
+                atomic_write(Path(args.json), lambda f, record=record: f.write(record))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "attention.json"), "w") as f:
-            json.dump([r for r in results if "fwd_ms" in r], f, indent=1)
+        timed = [r for r in results if "fwd_ms" in r]
+        atomic_write(Path(args.out) / "attention.json",
+                     lambda f: f.write(json.dumps(timed, indent=1).encode()))
     print(f"\n# {meta['device']}, bf16, B=1, paper parameters; {time.monotonic() - start:.0f} s\n")
     print(summary_table(results, impls))
 

@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from nsa.models.decoding import GraphedDecodeStep, capture_cuda_graph, stream_to
 from nsa.ops import NSAParams
 from nsa.ops.decode import nsa_decode, tokens_read
 from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
+from nsa.train.checkpoint import atomic_write
 
 PARAMS = NSAParams()  # paper defaults: l=32, d=16, l'=64, n=16, w=512
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -294,8 +296,9 @@ def main(argv=None):
         for t in results["targets"]:
             print(f"| {t['target']} | {t['value']:.4g} | {t['goal']} | {t['met']} |")
     if args.out:
-        with open(os.path.join(args.out, "decode.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write(Path(args.out) / "decode.json",
+                     lambda f: f.write(json.dumps(results, indent=1).encode()))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -31,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from nsa.hf import NSAConfig, NSAForCausalLM
 from nsa.models import model_preset
 from nsa.models.decoding import stream_tokens
+from nsa.train.checkpoint import atomic_write
 
 
 def synchronize() -> None:
@@ -131,8 +133,10 @@ def main(argv=None) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if args.out:
-        with open(os.path.join(args.out, "hf_generate.json"), "w") as f:
-            json.dump({"device": name, "args": vars(args), "results": results}, f, indent=1)
+        os.makedirs(args.out, exist_ok=True)
+        record = {"device": name, "args": vars(args), "results": results}
+        atomic_write(Path(args.out) / "hf_generate.json",
+                     lambda f: f.write(json.dumps(record, indent=1).encode()))
 
 
 if __name__ == "__main__":
