@@ -41,20 +41,24 @@ def run_offline(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: int):
+def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: int,
+                 aligned=None):
     """The kernel compiled for sm_90. Argument types by name (int32 where not given), constexpr
-    values by name."""
+    values by name; ``aligned``: the names of the arguments a launch specializes as multiples
+    of 16 (pointers to 16-byte aligned data, integers divisible by 16), default every pointer
+    argument. A GPU launch specializes them so (its cache key holds each argument's
+    alignment), and the code differs: without it no load is vectorized or asynchronous
+    (cp.async), and registers and spills are not those of the launches that run."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    if aligned is None:
+        aligned = [n for n in names if signature[n].startswith("*")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(fn, signature,
-                       constexprs={(names.index(n),): v for n, v in constants.items()})
+                       constexprs={(names.index(n),): v for n, v in constants.items()},
+                       attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def stack_bytes(fn, types: dict, constants: dict, num_warps: int, num_stages: int) -> int:
-    """Stack bytes per thread of ``fn`` compiled for sm_90 (arguments as ``compile_sm90``)."""
-    return _stack(compile_sm90(fn, types, constants, num_warps, num_stages))
 
 
 def _cuobjdump(kernel, option: str) -> str:
@@ -87,7 +91,7 @@ def compile_launch(kernel: str, launch: dict):
     module_name, kernel_name = kernel.rsplit(".", 1)
     fn = getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"), kernel_name)
     return compile_sm90(fn, launch["types"], launch["constants"], launch["num_warps"],
-                        launch["num_stages"])
+                        launch["num_stages"], launch.get("aligned"))
 
 
 if __name__ == "__main__":

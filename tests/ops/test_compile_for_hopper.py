@@ -1,5 +1,6 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
-decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90).
+decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90), with its
+arguments specialized as a GPU launch specializes them (alignment, integers of 1).
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
@@ -75,18 +76,33 @@ def argument_type(value) -> str:
 
 
 def launch_record(fn, args, kwargs) -> dict:
-    """{"kernel", "types", "constants", "num_warps", "num_stages"} of one interpreted launch."""
+    """{"kernel", "types", "constants", "aligned", "num_warps", "num_stages"} of one
+    interpreted launch, its arguments specialized as a GPU launch specializes them (Triton's
+    own rule: pointers to 16-byte aligned data and integers divisible by 16 are "aligned",
+    an integer 1 is a constant)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     parameters = inspect.signature(fn).parameters
     bound = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items() if k in parameters}
-    types, constants = {}, {}
+    types, constants, aligned = {}, {}, []
     for name, value in bound.items():
         if is_constexpr(parameters[name].annotation) or value is None:
             constants[name] = value
-        else:
-            types[name] = argument_type(value)
+            continue
+        types[name] = argument_type(value)
+        if isinstance(value, TensorDescriptor | bool | float):
+            continue
+        kind, attribute = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            del types[name]
+            constants[name] = attribute
+        elif attribute == "D":
+            aligned.append(name)
     return dict(kernel=f"{fn.__module__.removeprefix('nsa.ops.triton.')}.{fn.__name__}",
-                types=types, constants=constants, num_warps=kwargs.get("num_warps", 4),
-                num_stages=kwargs.get("num_stages", 3))
+                types=types, constants=constants, aligned=aligned,
+                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
 
 
 def recorded_launches(work) -> list[dict]:
@@ -202,6 +218,9 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     assert {launch["kernel"] for launch in launches} >= EXPECTED
     assert any(t.startswith("tensordesc") for launch in launches
                for t in launch["types"].values())  # the TMA paths are among them
+    # Compiled as the GPU specializes them: every launch has aligned pointers.
+    assert all(any(launch["types"][n].startswith("*") for n in launch["aligned"])
+               for launch in launches)
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     result = run_offline("--launches", str(path), timeout=1200)
