@@ -16,7 +16,6 @@ a shape a peer cannot take is reported as refused, with the reason.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import nsa
-from nsa.train.checkpoint import atomic_write
+from nsa.train.checkpoint import atomic_write_json
 
 PAPER = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
@@ -322,13 +321,10 @@ def main(argv=None):
                 print(f"| {T} | {hq} | {h} | {d} | {impl} | {_cell(r)} | | |", flush=True)
             torch.cuda.empty_cache()
             if args.json:  # after every row: a call that runs out of time keeps the rows
-                record = json.dumps({"meta": meta, "rows": results}, indent=1).encode()
-                atomic_write(Path(args.json), lambda f, record=record: f.write(record))
+                atomic_write_json(Path(args.json), {"meta": meta, "rows": results})
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        timed = [r for r in results if "fwd_ms" in r]
-        atomic_write(Path(args.out) / "attention.json",
-                     lambda f: f.write(json.dumps(timed, indent=1).encode()))
+        atomic_write_json(Path(args.out) / "attention.json",
+                          [r for r in results if "fwd_ms" in r])
     print(f"\n# {meta['device']}, bf16, B=1, paper parameters; {time.monotonic() - start:.0f} s\n")
     print(summary_table(results, impls))
 

@@ -21,7 +21,6 @@ issue's targets, met or missed, from these numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -36,7 +35,7 @@ from nsa.models.decoding import GraphedDecodeStep, capture_cuda_graph, stream_to
 from nsa.ops import NSAParams
 from nsa.ops.decode import nsa_decode, tokens_read
 from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET
-from nsa.train.checkpoint import atomic_write
+from nsa.train.checkpoint import atomic_write_json
 
 PARAMS = NSAParams()  # paper defaults: l=32, d=16, l'=64, n=16, w=512
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -296,9 +295,7 @@ def main(argv=None):
         for t in results["targets"]:
             print(f"| {t['target']} | {t['value']:.4g} | {t['goal']} | {t['met']} |")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        atomic_write(Path(args.out) / "decode.json",
-                     lambda f: f.write(json.dumps(results, indent=1).encode()))
+        atomic_write_json(Path(args.out) / "decode.json", results)
 
 
 if __name__ == "__main__":

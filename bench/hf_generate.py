@@ -19,7 +19,6 @@ weights saved to a temporary directory first. Three timings per attention:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ from transformers import AutoModelForCausalLM
 from nsa.hf import NSAConfig, NSAForCausalLM
 from nsa.models import model_preset
 from nsa.models.decoding import stream_tokens
-from nsa.train.checkpoint import atomic_write
+from nsa.train.checkpoint import atomic_write_json
 
 
 def synchronize() -> None:
@@ -133,10 +132,8 @@ def main(argv=None) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        record = {"device": name, "args": vars(args), "results": results}
-        atomic_write(Path(args.out) / "hf_generate.json",
-                     lambda f: f.write(json.dumps(record, indent=1).encode()))
+        atomic_write_json(Path(args.out) / "hf_generate.json",
+                          {"device": name, "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from nsa.eval.passkey import (
     passkey_table,
 )
 from nsa.train import build_config, train
-from nsa.train.checkpoint import atomic_write, checkpoint_dirs, load_model
+from nsa.train.checkpoint import atomic_write, atomic_write_json, checkpoint_dirs, load_model
 from nsa.train.distributed import resolve_device
 from nsa.train.errors import SetupError
 from nsa.train.metrics import METRICS, read_metrics
@@ -261,8 +261,7 @@ def merge_summaries(summaries: list[dict], paths: list[Path]) -> dict:
 
 def report(summary: dict, out: Path) -> None:
     """Write OUT/quality.json and OUT/quality.png, and print the table of final results."""
-    atomic_write(out / "quality.json",
-                 lambda file: file.write(json.dumps(summary, indent=1).encode()))
+    atomic_write_json(out / "quality.json", summary)
     results, title = summary["runs"], summary["title"]
     plot(results, out / "quality.png", title)
     print(f"\n{title}\n{'variant':<10}{'params':>12}{'val loss':>10}{'wall s':>9}{'passkey':>9}"

@@ -275,7 +275,6 @@ def with_longer_context(config, model, max_seq_len: int):
 def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every check comes before the model runs: a bad flag, path, length or depth, a missing
     matplotlib for --heatmap, data that cannot be read, each is one ``nsa: error:`` line."""
-    import json
     import math
 
     from nsa.eval.passkey import (
@@ -286,7 +285,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         save_heatmap,
     )
     from nsa.eval.perplexity import file_texts, perplexity, validation_texts
-    from nsa.train.checkpoint import atomic_write, load_model
+    from nsa.train.checkpoint import atomic_write_json, load_model
     from nsa.train.passkey import PasskeyText
     from nsa.train.tokenizer import get_tokenizer
     from nsa.train.trainer import check_attention_backend, resolve_device
@@ -357,7 +356,7 @@ def run_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             ValueError) as error:
         parser.error(str(error))
     if args.json is not None:
-        atomic_write(args.json, lambda file: file.write(json.dumps(results, indent=1).encode()))
+        atomic_write_json(args.json, results)
         print(f"wrote {args.json}")
 
 

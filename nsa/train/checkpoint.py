@@ -264,6 +264,15 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     _fsync_dir(path.parent)
 
 
+def atomic_write_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON at ``path``, written as ``atomic_write`` writes; the folder
+    is made if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(obj, indent=1).encode()
+    atomic_write(path, lambda file: file.write(data))
+
+
 def atomic_save(state: dict, path: Path) -> None:
     """torch.save to ``path`` such that ``path`` is either the old file or the complete new one."""
     atomic_write(path, partial(torch.save, state))
