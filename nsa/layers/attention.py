@@ -97,12 +97,16 @@ class AttentionConfig:
 FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
 
 
+def _fused_pad(layer: nn.Linear) -> int:
+    """Zero rows after ``layer``'s in a fused weight: its rows to a multiple of FUSED_ALIGN."""
+    return -layer.out_features % FUSED_ALIGN
+
+
 def fused_weight(*layers: nn.Linear) -> torch.Tensor:
     """The layers' weights as one [Σ padded out_features, in_features] matrix: each layer's
     rows padded with zero rows to a multiple of ``FUSED_ALIGN``."""
-    return torch.cat([F.pad(layer.weight, (0, 0, 0, pad)) if pad else layer.weight
-                      for layer, pad in ((layer, -layer.out_features % FUSED_ALIGN)
-                                         for layer in layers)])
+    return torch.cat([F.pad(layer.weight, (0, 0, 0, _fused_pad(layer))) if _fused_pad(layer)
+                      else layer.weight for layer in layers])
 
 
 def fused_linear(x: torch.Tensor, *layers: nn.Linear,
@@ -117,8 +121,7 @@ def fused_linear(x: torch.Tensor, *layers: nn.Linear,
     change between calls (a decode cache), instead of at this call."""
     if weight is None:
         weight = fused_weight(*layers)
-    widths = [width for layer in layers
-              for width in (layer.out_features, -layer.out_features % FUSED_ALIGN)]
+    widths = [width for layer in layers for width in (layer.out_features, _fused_pad(layer))]
     outputs = F.linear(x, weight).split(widths, dim=-1)[::2]  # [..., sum of padded widths]
     return [out if layer.bias is None else out + layer.bias.to(out.dtype)
             for out, layer in zip(outputs, layers, strict=True)]

@@ -91,15 +91,14 @@ def launch_record(fn, args, kwargs) -> dict:
         if is_constexpr(parameters[name].annotation) or value is None:
             constants[name] = value
             continue
+        if not isinstance(value, TensorDescriptor | bool | float):
+            kind, attribute = native_specialize_impl(BaseBackend, value, False, True, True)
+            if kind == "constexpr":
+                constants[name] = attribute
+                continue
+            if attribute == "D":
+                aligned.append(name)
         types[name] = argument_type(value)
-        if isinstance(value, TensorDescriptor | bool | float):
-            continue
-        kind, attribute = native_specialize_impl(BaseBackend, value, False, True, True)
-        if kind == "constexpr":
-            del types[name]
-            constants[name] = attribute
-        elif attribute == "D":
-            aligned.append(name)
     return dict(kernel=f"{fn.__module__.removeprefix('nsa.ops.triton.')}.{fn.__name__}",
                 types=types, constants=constants, aligned=aligned,
                 num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
