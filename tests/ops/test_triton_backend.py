@@ -13,7 +13,7 @@ import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.torch_backend import block_overlap, nsa_attention_torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -306,6 +306,18 @@ def test_tensor_descriptors_only_where_tma_can_read():
     assert tile_descriptor(k, [1, 48, 1, 64]) is None  # a box dim not a power of two
     assert tile_descriptor(k, [1, 512, 1, 64]) is None  # a box dim above 256
     assert tile_descriptor(k.transpose(1, 3), [1, 16, 1, 64]) is None  # strided last dim
+
+
+def test_host_arithmetic_equals_tritons():
+    """The launch wrappers' plain-Python cdiv and next_pow2 (Triton's own are constexpr
+    functions, slow from the host) give Triton's values."""
+    from nsa.ops.triton.launch import cdiv, next_pow2
+
+    for n in range(0, 2100):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 129):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_pow2(2**40 + 1) == 2**41
 
 
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.launch import pow2
+from nsa.ops.triton.launch import cdiv, pow2
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' compute dtypes
 FIRST_PRODUCT_TILE = 8192  # most elements one program loads at once: W1's, or the partials'
@@ -184,7 +184,7 @@ def compress_step_triton(ring: torch.Tensor, pos: torch.Tensor, compressor, out:
         hidden, block_hid = first.out_features, pow2(first.out_features, 1)
         inputs = inputs_per_program or min(pow2(block * D, 1),
                                            max(16, FIRST_PRODUCT_TILE // block_hid))
-        slices = triton.cdiv(block * D, inputs)
+        slices = cdiv(block * D, inputs)
         partial = torch.empty(B * H, slices, block_hid, dtype=torch.float32,
                               device=ring.device)
         position_partial = torch.empty(slices, block_hid, dtype=torch.float32,

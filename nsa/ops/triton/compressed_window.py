@@ -39,6 +39,7 @@ from nsa.ops.triton.common import (
 )
 from nsa.ops.triton.launch import (
     BranchGrad,
+    cdiv,
     descriptor_pair,
     dkdv_buffers,
     dkdv_segment,
@@ -388,7 +389,7 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     R, launch = launch_shape(f"{MODE_NAMES[mode]}_fwd", G, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of BLOCK_N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
-    grid = (triton.cdiv(T, R // G), B * H)
+    grid = (cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
         q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
@@ -415,7 +416,7 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
     R, launch = launch_shape(f"{MODE_NAMES[mode]}_dq", G, max(Dk, Dv), q.element_size())
     kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
-    _branch_bwd_dq_kernel[(triton.cdiv(T, R // G), B * H)](
+    _branch_bwd_dq_kernel[(cdiv(T, R // G), B * H)](
         q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
         tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
         scale * LOG2E, scale,
@@ -424,9 +425,9 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
-    segment = dkdv_segment(T, triton.cdiv(NK, BLOCK_N) * B * H, q.device,
+    segment = dkdv_segment(T, cdiv(NK, BLOCK_N) * B * H, q.device,
                            CMP_SEGMENT if mode == MODE_CMP else T)
-    segments = triton.cdiv(T, segment)
+    segments = cdiv(T, segment)
     dk, dv = dkdv_buffers(k, v, segments)
     if mode == MODE_CMP:
         t_lo, t_hi = tables.cmp_t_lo, tables.cmp_t_hi
@@ -436,7 +437,7 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
         R, launch = launch_shape(f"{MODE_NAMES[mode]}_dkdv", G, max(Dk, Dv),
                                  q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
-        _branch_bwd_dkdv_kernel[(triton.cdiv(NK, BLOCK_N), B * H, segments)](
+        _branch_bwd_dkdv_kernel[(cdiv(NK, BLOCK_N), B * H, segments)](
             q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
             tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,

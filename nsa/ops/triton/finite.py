@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.triton.common import all_finite, load_tile
-from nsa.ops.triton.launch import pow2, strides
+from nsa.ops.triton.launch import cdiv, pow2, strides
 
 FINITE_ROWS = 64  # tokens per program
 MAX_PAIRS = 3  # (keys, values) pairs per launch: the op's three branches
@@ -73,7 +73,7 @@ def kv_finite_flags(pairs) -> torch.Tensor:
     longest = max(k.shape[1] for k, _ in pairs)
     slots = list(pairs) + [pairs[0]] * (MAX_PAIRS - len(pairs))  # unused: no program reads
     if B * H and longest:
-        _kv_finite_kernel[(B * H, triton.cdiv(longest, FINITE_ROWS), len(pairs))](
+        _kv_finite_kernel[(B * H, cdiv(longest, FINITE_ROWS), len(pairs))](
             *(x for pair in slots for x in pair), finite, H, *(k.shape[1] for k, _ in slots),
             *(s for k, v in slots for s in (*strides(k), *strides(v))),
             DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_N=FINITE_ROWS)

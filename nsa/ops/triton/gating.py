@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.triton.common import all_finite, load_tile, store_rows
-from nsa.ops.triton.launch import pow2, strides
+from nsa.ops.triton.launch import cdiv, pow2, strides
 
 GATE_ROWS = 16  # rows per program of the gate backward
 GATE_CHUNK = tl.constexpr(16)  # columns per step of the gated sum: 32 spill 1.2 KB (masked, m7c)
@@ -146,7 +146,7 @@ def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q, H: int):
     delta = torch.empty_like(gate)
     dgates = torch.empty(gates.shape, dtype=gates.dtype, device=o_cmp.device)
     query_finite = torch.ones(B, H, dtype=torch.int8, device=o_cmp.device)
-    _gate_backward_kernel[(triton.cdiv(N, GATE_ROWS),)](
+    _gate_backward_kernel[(cdiv(N, GATE_ROWS),)](
         grad_out, gates, o_cmp, o_slc, o_win, *gate, *delta, dgates, q, query_finite, N, T, HQ,
         HQ // H, *strides(q), DV=Dv, BLOCK_D=pow2(Dv), DK=Dk, BLOCK_DK=pow2(Dk),
         ROWS=GATE_ROWS)

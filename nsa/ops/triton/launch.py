@@ -7,7 +7,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 from torch._subclasses.fake_tensor import is_fake
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -74,9 +73,25 @@ def call_op(op, impl, *args):
     return impl(*args)
 
 
+# Host arithmetic of the launch wrappers in plain Python: triton.cdiv and
+# triton.next_power_of_2 are constexpr functions in Triton 3.6, ~2 µs a call from the host
+# (argument unwrapping and an import per call), and a forward+backward made ~130 such calls
+# (bench/NOTES.md, the op's host time, seventeenth session).
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for host ints (b > 0)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for n = 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def pow2(x: int, minimum: int = 16) -> int:
     """The tile size of a dimension of x: the next power of two, at least ``minimum``."""
-    return max(minimum, triton.next_power_of_2(x))
+    return max(minimum, next_pow2(x))
 
 
 def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
@@ -110,8 +125,8 @@ def dkdv_segment(T: int, programs: int, device: torch.device, longest: int) -> i
     loop over the queries that see it: at most ``longest``, fewer (not below MIN_SEGMENT) when
     ``programs`` key tiles alone would leave SMs idle (aim: two programs per SM). Segments
     write separate partials, summed in a fixed order."""
-    wanted = triton.cdiv(2 * num_sms(device), max(programs, 1))
-    return max(1, min(longest, max(MIN_SEGMENT, triton.cdiv(T, wanted))))
+    wanted = cdiv(2 * num_sms(device), max(programs, 1))
+    return max(1, min(longest, max(MIN_SEGMENT, cdiv(T, wanted))))
 
 
 def dkdv_buffers(k: torch.Tensor, v: torch.Tensor, segments: int):
@@ -155,7 +170,7 @@ def tile_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
     two or is above 256, rows (last dim) or a base or stride that are not a multiple of 16
     bytes (rows of 2 bytes made illegal accesses on the H100), a non-unit last stride."""
     size = x.element_size()
-    if not (x.numel() > 0 and all(n == triton.next_power_of_2(n) and n <= 256 for n in box)
+    if not (x.numel() > 0 and all(n == next_pow2(n) and n <= 256 for n in box)
             and x.shape[-1] * size % 16 == 0 and box[-1] >= x.shape[-1]
             and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
             and all(st * size % 16 == 0 for st in x.stride()[:-1])):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.launch import call_op, pow2, unit_stride
+from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 
 ROPE_ROWS = 32  # (b, t, head) rows per program
 ROPE_MAX_TENSORS = 3  # tensors rotated by one launch (the kernel's slots)
@@ -78,7 +78,7 @@ def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     xs = [unit_stride(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     B, T, _, D = xs[0].shape
-    tiles = [triton.cdiv(B * T * x.shape[2], ROPE_ROWS) for x in xs]
+    tiles = [cdiv(B * T * x.shape[2], ROPE_ROWS) for x in xs]
     if sum(tiles) == 0:
         return outs
     # Unused slots: the first tensor again, with no tiles (no program selects them).

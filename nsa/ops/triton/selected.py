@@ -45,6 +45,7 @@ from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     TUNING,
     BranchGrad,
+    cdiv,
     descriptor_pair,
     launch_shape,
     pow2,
@@ -417,7 +418,7 @@ def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
         T = layout.seq.numel()
         blocks_per_seq = (layout.ends - layout.starts + params.sel_block - 1) // params.sel_block
         block_first = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-        num_global = triton.cdiv(T, params.sel_block) + layout.starts.numel()
+        num_global = cdiv(T, params.sel_block) + layout.starts.numel()
         block_seq, index, used = expand_counts(blocks_per_seq, num_global)
         block_start = layout.starts[block_seq] + index * params.sel_block
         block_end = torch.where(used, torch.minimum(block_start + params.sel_block,

@@ -61,6 +61,7 @@ from nsa.ops.triton.common import (
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     BranchGrad,
+    cdiv,
     descriptor_pair,
     dkdv_buffers,
     dkdv_segment,
@@ -79,7 +80,7 @@ BITS_ROWS = 128  # rows per program of masked_selection's bits
 def masked_causal_selection(T: int, params: NSAParams, packed: bool) -> bool:
     """Whether the selected forward and dq run as masked causal attention (module docstring):
     not ``packed``, l' a power of two >= 16, at most min(64, 2n) blocks of l' in T."""
-    blocks = triton.cdiv(T, params.sel_block)
+    blocks = cdiv(T, params.sel_block)
     return (not packed and params.sel_block == pow2(params.sel_block)
             and blocks <= min(MAX_BLOCKS, 2 * params.num_selected))
 
@@ -352,7 +353,7 @@ def _launch(kind: str, q, k, v, params: NSAParams):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _meta(kind, q, k, v, params)
     kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
-    return (triton.cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
+    return (cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
 
 
 class MaskedSelection(NamedTuple):
@@ -374,7 +375,7 @@ def masked_selection(idx, kv_finite) -> MaskedSelection:
     bits = torch.empty(idx.shape[:3], dtype=torch.int64, device=idx.device)
     N = bits.numel()
     if N:
-        _selection_bits_kernel[(triton.cdiv(N, BITS_ROWS),)](
+        _selection_bits_kernel[(cdiv(N, BITS_ROWS),)](
             idx, bits, N, NUM_SELECTED=idx.shape[-1], BLOCK_NSEL=pow2(idx.shape[-1], 1),
             ROWS=BITS_ROWS)
     return MaskedSelection(bits, kv_finite)
@@ -421,9 +422,9 @@ def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delt
     bits = selection.bits
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _meta("masked_dkdv", q, k, v, params)
-    tiles = triton.cdiv(T, meta["BLOCK_N"])
+    tiles = cdiv(T, meta["BLOCK_N"])
     segment = dkdv_segment(T, tiles * B * H, q.device, T)
-    segments = triton.cdiv(T, segment)
+    segments = cdiv(T, segment)
     dk, dv = dkdv_buffers(k, v, segments)
     _masked_dkdv_kernel[(B * H, tiles, segments)](
         q, k, v, grad.do, grad.gate, lse, delta, bits, dk, dv, *strides(q), *strides(k),

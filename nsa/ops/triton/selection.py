@@ -25,7 +25,7 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile
-from nsa.ops.triton.launch import TUNING, pow2, shapes, strides
+from nsa.ops.triton.launch import TUNING, next_pow2, pow2, shapes, strides
 from nsa.ops.triton.tables import tile_table
 
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
@@ -158,13 +158,13 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     idx = torch.empty(B, T, H, params.num_selected, dtype=torch.int32, device=q.device)
     # Blocks per step: the top-n width, or as many as hold tuning["tokens"] compressed tokens.
     tokens_per_block = params.sel_block // params.cmp_stride
-    best = max(2, triton.next_power_of_2(params.num_selected))  # running top-n width
+    best = max(2, next_pow2(params.num_selected))  # running top-n width
     # A compressed token reaches into at most SPILL blocks after its own.
     cells = params.cmp_block // params.cmp_stride  # a token's length in strides
     spill = (tokens_per_block + cells - 2) // tokens_per_block
-    blocks_per_step = max(best, triton.next_power_of_2(spill + 1),
-                          triton.next_power_of_2(max(1, tuning["tokens"] // tokens_per_block)))
-    m_pad = triton.next_power_of_2(tokens_per_block)
+    blocks_per_step = max(best, next_pow2(spill + 1),
+                          next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
+    m_pad = next_pow2(tokens_per_block)
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *strides(q), *strides(k_cmp), *lse_cmp.stride()[:2], *strides(idx),

@@ -8,10 +8,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from nsa.ops.layout import SequenceLayout, expand_counts
 from nsa.ops.params import NSAParams
+from nsa.ops.triton.launch import cdiv
 
 
 @dataclass
@@ -72,7 +72,7 @@ def tile_table(tables: KernelTables, T: int, positions_per_tile: int):
     if ("tiles", positions_per_tile) in tables.memo:
         return tables.memo["tiles", positions_per_tile]
     layout, P = tables.layout, positions_per_tile
-    num_tiles = triton.cdiv(T, P) + layout.starts.numel()
+    num_tiles = cdiv(T, P) + layout.starts.numel()
     tiles_per_seq = (layout.ends - layout.starts + P - 1) // P
     seq, index, used = expand_counts(tiles_per_seq, num_tiles)
     start = layout.starts[seq] + index * P
