@@ -113,6 +113,31 @@ def test_triton_step_block_shapes(shape, num_sms, window, G, monkeypatch):
     assert_step_equal(NSAParams(**params), S, G, torch.float32, window)
 
 
+def test_triton_step_carries_block_shares_across_tiles(monkeypatch):
+    """One compressed token dominates every query's attention; it starts in the last block of
+    a tile and reaches 1.5 blocks into the next tile (l = 8, d = 2, l' = 4), so the one block
+    left to choose is the next tile's first, by the share kernel 1 carries across tiles. One
+    program walks both tiles (one split), so the share is carried, not recomputed."""
+    import nsa.ops.triton.decode as triton_decode
+
+    launch_shapes(monkeypatch, 64, block_tile=8)
+    monkeypatch.setattr(triton_decode, "MAX_SPLITS", 1)
+    params = NSAParams(cmp_block=8, cmp_stride=2, sel_block=4, num_selected=4, window=6,
+                       num_init=1, num_local=2)
+    S = 47
+    plan = triton_decode.decode_plan(4, 2, 2, S, params.window, params, 64)
+    assert (plan.tile_blocks, plan.splits) == (8, 1)
+    x, _ = decode_inputs(2, S, params, torch.float32, "ring", seed=2)
+    x["q"] = x["q"] * 0.1
+    x["q"][..., 0] = 4.0
+    x["k_cmp"] = x["k_cmp"] * 0.1
+    last = plan.tile_blocks * params.sel_block // params.cmp_stride - 1  # tile 0's last token
+    x["k_cmp"][:, last, :, 0] = 4.0  # covers blocks 7 (1/4), 8 (1/2) and 9 (1/4)
+    pos = torch.full((4,), S - 1, device=DEVICE)  # blocks 0, 10, 11 are forced
+    ref = step(x, pos, params, "ring", "torch")
+    torch.testing.assert_close(step(x, pos, params, "ring", "triton"), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("merge_tile", [1, 2 * 16, 3 * 2 * 16], ids=lambda m: f"merge{m}")
 def test_triton_step_merges_in_steps(merge_tile, monkeypatch):
     """The merges of the compressed splits and of the selected and window items, a few

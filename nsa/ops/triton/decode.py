@@ -11,12 +11,16 @@ tokens the spec counts, the rest load as 0, so no tile needs the finite-part pro
 training kernels (common.py, Masks): a NaN past ``pos`` is never read.
 
 1. ``_compressed_kernel``, grid (B·H, S1). Program s takes an equal share of the tiles of its
-   sequence (a tile: TB selection blocks, i.e. the TB·l'/d compressed tokens that start in
-   them, plus the K - 1 = l/d - 1 tokens before it that reach into its first block, whose
-   keys only are read). Reads q and the visible compressed K, V once. Writes per tile and head
-   the block-score partials ``p @ W`` (``BLK``; W: the spec's overlap weights
-   |[i·d, i·d + l) ∩ block| / l) in units of the tile's own maximum (``REF``), and per
-   program and head the softmax partial (m, l, acc [Dv]). No score per token is written.
+   sequence (a tile: TB selection blocks, a power of two, i.e. the TB·l'/d compressed tokens
+   that start in them). Reads q and the visible compressed K, V once. Writes per tile and
+   head the block-score partials ``p @ W`` (``BLK``; W: the spec's overlap weights
+   |[i·d, i·d + l) ∩ block| / l) in units of the program's running maximum up to that tile
+   (``REF``), and per program and head the softmax partial (m, l, acc [Dv]). No score per
+   token is written. A tile's columns are block-minor (token i of block c at i·TB + c), so a
+   block's own share is a reshape and a sum, and the shares its last tokens spill into the
+   next blocks are rolled along the blocks; what rolls past the tile is carried to the next
+   (rescaled to its maximum). A program's first tile takes that carry from the keys of the
+   K - 1 = l/d - 1 tokens before it, read once.
 2. ``_select_kernel``, grid (B·H, NS2 + NGS·(1 + P_WIN)), three kinds of program:
    * selection tile j < NS2: the group score of BJ blocks (the G heads' partials, each scaled
      to its head's softmax: exp2(REF - max) / sum, from the S1 partials), the forced blocks,
@@ -59,8 +63,9 @@ that, and a merge in one program should read few of them (one SM pulls ~100 GB/s
   items of 64 tokens (256 programs), 8 window items per slice, and each final merge reads 24
   partials of 2 KB; B = 16: 4 selected items of 256 tokens, 2 window items, one slice.
 * kernel 2: BJ = 128 blocks per selection tile (NS2 = 8 at 64k).
-Measured offline (sm_90 compile, no GPU here): 204 / 106 / 204 registers and 87 / 72 / 72 KB
-of shared memory (cp.async pipelined) at B = 16, so two programs of kernel 1 fit per SM.
+Kernel 1 offline (sm_90, aligned arguments as a launch specializes them): 206 registers and
+70 KB of shared memory (cp.async pipelined) at B = 16, so two programs fit per SM; with tiles
+of 32 tokens, 128 registers and 38 KB: four.
 ``PDL`` (sm90+): each kernel waits on the previous one (griddepcontrol.wait) before touching
 memory and lets the next one launch once its own work is issued, so launches overlap.
 """
@@ -145,8 +150,8 @@ def _compressed_kernel(
     Q, KC, VC, POS, PART_M, PART_L, PART_ACC, BLK, REF, SEL_TICKET,
     H, C, NB, NT, S1, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TB: tl.constexpr, TB_PAD: tl.constexpr,
-    TOK: tl.constexpr, TOK_PAD: tl.constexpr, PRE: tl.constexpr, PRE_PAD: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TB: tl.constexpr, R: tl.constexpr,
+    R_PAD: tl.constexpr, SPILL: tl.constexpr, PRE: tl.constexpr, PRE_PAD: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -164,47 +169,61 @@ def _compressed_kernel(
     per_split = tl.cdiv(tiles, S1)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, tiles)
-    # Overlap (/ l) of the tile's own token a, and of prefix token a (PRE before the tile),
-    # with block c of the tile: the same for every tile.
-    a = tl.arange(0, TOK_PAD)
+    # A tile's columns are (token i of a block, block c of the tile), i-major: i·TB + c, so
+    # the probabilities reshape to [rows, R_PAD, TB] and a block's score is a sum over axis 1
+    # (as the prefill's selection kernel). Share of token i in its own block and in the k-th
+    # after it (k <= SPILL): the same for every block.
+    col = tl.arange(0, R_PAD * TB)
+    col_i = col // TB
+    c = tl.arange(0, TB)
+    i = tl.arange(0, R_PAD)
+    w_own = overlap_weights(i * CMP_STRIDE, 0, i < R, CMP_BLOCK, SEL_BLOCK)
+    # The first tile's carry: the shares of the PRE tokens before it in its blocks, in units
+    # of their own maximum (later tiles take it from the tile before them).
     ap = tl.arange(0, PRE_PAD)
-    c = tl.arange(0, TB_PAD)
-    blk_lo = (c * SEL_BLOCK)[None, :]
-    w_own = overlap_weights((a * CMP_STRIDE)[:, None], blk_lo,
-                            (a < TOK)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
-    w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], blk_lo,
-                            (ap < PRE)[:, None] & (c < TB)[None, :], CMP_BLOCK, SEL_BLOCK)
+    ip = t_lo * TB * R - PRE + ap
+    ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
+    qk_p = masked_products(q, load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK),
+                           ok_p[None, :], IEEE)
+    ref_run = max_score(qk_p, scale_log2)
+    w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], (c * SEL_BLOCK)[None, :],
+                            (ap < PRE)[:, None], CMP_BLOCK, SEL_BLOCK)
+    e_p = exp_from(qk_p, tl.where(ref_run == float("-inf"), 0.0, ref_run), scale_log2)
+    carry = tl.sum(e_p[:, :, None] * w_pre[None, :, :], axis=1)  # [BLOCK_G, TB]
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for t in range(t_lo, t_hi):
-        i = t * TOK + a
-        ok = (a < TOK) & (i < visible)
-        at = ((b * C + i) * H + h) * DK
-        k = load_tile(KC + at, ok, DK, BLOCK_DK)
-        v = load_tile(VC + ((b * C + i) * H + h) * DV, ok, DV, BLOCK_DV)
+        tok = (t * TB + col % TB) * R + col_i
+        ok = (col_i < R) & (tok < visible)
+        k = load_tile(KC + ((b * C + tok) * H + h) * DK, ok, DK, BLOCK_DK)
+        v = load_tile(VC + ((b * C + tok) * H + h) * DV, ok, DV, BLOCK_DV)
         qk = masked_products(q, k, ok[None, :], IEEE)
-        m_t = max_score(qk, scale_log2)
-        if PRE > 0:
-            ip = t * TOK - PRE + ap
-            ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
-            kp = load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK)
-            qk_p = masked_products(q, kp, ok_p[None, :], IEEE)
-            m_t = tl.maximum(m_t, max_score(qk_p, scale_log2))
-        ref = tl.where(m_t == float("-inf"), 0.0, m_t)
+        # The running maximum of the program's tiles: the carry rescales to it (never up).
+        ref_t = tl.maximum(ref_run, max_score(qk, scale_log2))
+        ref = tl.where(ref_t == float("-inf"), 0.0, ref_t)
         p = exp_from(qk, ref, scale_log2)
-        blk = tl.dot(p, w_own, input_precision="ieee")
-        if PRE > 0:
-            blk += tl.dot(exp_from(qk_p, ref, scale_log2), w_pre, input_precision="ieee")
+        p3 = tl.reshape(p, [BLOCK_G, R_PAD, TB])
+        blk = tl.sum(p3 * w_own[None, :, None], axis=1)
+        blk += carry * tl.exp2((ref_run - ref) * exp_scale(scale_log2))[:, None]
+        carry = tl.zeros([BLOCK_G, TB], tl.float32)
+        for s in tl.static_range(1, SPILL + 1):  # shares in block c + s: rolled by s
+            w_s = overlap_weights(i * CMP_STRIDE, s * SEL_BLOCK, i < R, CMP_BLOCK, SEL_BLOCK)
+            rolled = tl.gather(tl.sum(p3 * w_s[None, :, None], axis=1),
+                               tl.broadcast_to(((c + TB - s) % TB)[None, :], [BLOCK_G, TB]),
+                               axis=1)
+            blk += tl.where(c[None, :] >= s, rolled, 0.0)
+            carry += tl.where(c[None, :] < s, rolled, 0.0)  # into the next tile's blocks
+        ref_run = ref_t
         j = t * TB + c
         tl.store(BLK + rows[:, None] * NB + j[None, :], blk,
-                 mask=row_ok[:, None] & ((c < TB) & (j < NB))[None, :])
-        tl.store(REF + rows * NT + t, m_t, mask=row_ok)
+                 mask=row_ok[:, None] & (j < NB)[None, :])
+        tl.store(REF + rows * NT + t, ref_t, mask=row_ok)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
-        m, l, acc = _fold(m, l, acc, m_t, tl.sum(p, axis=1), pv, scale_log2)
+        m, l, acc = _fold(m, l, acc, ref_t, tl.sum(p, axis=1), pv, scale_log2)
     _store_partial(PART_M, PART_L, PART_ACC, rows, S1, split, row_ok, m, l, acc, DV, BLOCK_DV)
     if PDL:
         gdc_launch_dependents()
@@ -454,9 +473,13 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
     """Launch shapes for B sequences of capacity S on a device of ``sms`` SMs."""
     fill = FILL * sms
     R = params.sel_block // params.cmp_stride  # compressed tokens starting in one block
+    spill = -(-(params.cmp_block // params.cmp_stride - 1) // R)  # blocks a token reaches on
     num_blocks = -(-S // params.sel_block)
     for tokens in (64, 32, 16):  # the largest tile that still fills the GPU
-        tile_blocks = max(1, tokens // R)
+        # A power of two of blocks (kernel 1 reshapes by it), at least 16 columns of R_PAD
+        # tokens, and at least the blocks a token spills into (its carry goes to the next).
+        tile_blocks = max(1 << (max(1, tokens // R).bit_length() - 1), 16 // pow2(R, 1),
+                          pow2(spill, 1))
         tiles = -(-num_blocks // tile_blocks)
         if B * H * tiles >= fill:
             break
@@ -533,7 +556,7 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     _compressed_kernel[(B * H, S1)](
         q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref, sel_ticket,
         H, C, NB, NT, S1, scale_log2,
-        BLOCK_G=pow2(G), TB=TB, TB_PAD=pow2(TB), TOK=TB * R, TOK_PAD=pow2(TB * R), PRE=K - 1,
+        BLOCK_G=pow2(G), TB=TB, R=R, R_PAD=pow2(R, 1), SPILL=-(-(K - 1) // R), PRE=K - 1,
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
         SEL_BLOCK=params.sel_block, **shared, **launch)
     _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
