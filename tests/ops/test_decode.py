@@ -161,14 +161,15 @@ def test_triton_step_is_deterministic(monkeypatch):
 
 def test_decode_plan_fills_the_gpu():
     """The module docstring's launch shapes on an H200 (132 SMs), HQ = 64, H = 4, paper
-    parameters: a batch of one gets ~2 programs per SM in the compressed and the selected
-    passes, with merges of few partials; a batch of 16 gets long programs whose partials are a
+    parameters: a batch of one gets ~2 programs per SM of one 64-token tile each in the
+    compressed pass and ~2 an SM in the selected pass, with merges of few partials; a batch of 16 gets long programs whose partials are a
     few percent of what they read."""
     from nsa.ops.triton.decode import decode_plan
 
     params, sms, H, G, Dv = NSAParams(), 132, 4, 16, 128
     one = decode_plan(1, H, G, 65536, 512, params, sms)
-    assert one.tile_blocks * params.sel_block // params.cmp_stride == 32  # tokens per tile
+    assert one.tile_blocks * params.sel_block // params.cmp_stride == 64  # tokens per tile
+    assert one.splits * one.tile_blocks == 65536 // params.sel_block  # one tile a program
     assert one.splits == 64 and H * one.splits >= 0.95 * 2 * sms
     assert (one.head_slices, one.selected_items, one.window_items) == (4, 16, 8)
     assert H * one.head_slices * one.selected_items >= 0.95 * 2 * sms

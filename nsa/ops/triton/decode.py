@@ -54,18 +54,17 @@ tokens (0.26 MB). A partial is G·Dv·4 B (8 KB for G = 16): a program should re
 that, and a merge in one program should read few of them (one SM pulls ~100 GB/s: 100 KB is
 ~1 µs). Hence, on an H200 (132 SMs) with H = 4, G = 16, paper parameters:
 * kernel 1: tiles of 64 compressed tokens (32 KB of K, V), or 32 / 16 when B·H·tiles would be
-  fewer than 2 programs per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), evened so no program is
-  idle. B = 1, 64k: 64 programs of two 32-token tiles per head (256); B = 16: 8 programs of
-  eight 64-token tiles (512; partials are 3 % of what they read).
+  fewer than one program per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), evened so no program
+  is idle. B = 1, 64k: 64 programs of one 64-token tile per head (256); B = 16: 8 programs of
+  eight 64-token tiles (512; partials are 3 % of what they read). Two warps, two stages
+  (``COMPRESSED_LAUNCH``): four programs an SM, which hide each other's loads; measured on the
+  H200 at 64k, kernel 1 takes 40 µs at B = 16 and 6 µs at B = 1 (bench/NOTES.md, decode v9).
 * kernels 2 and 3: 64-token tiles; items of one tile, or of ⌊B·H·tiles / (2·SMs)⌋ tiles
   (evened) once B·H·tiles reaches 2 programs per SM; the G heads cut into NGS ≤ 4 slices
   while there are fewer selected items than SMs. B = 1, 64k: 4 slices of 4 heads, 16 selected
   items of 64 tokens (256 programs), 8 window items per slice, and each final merge reads 24
   partials of 2 KB; B = 16: 4 selected items of 256 tokens, 2 window items, one slice.
 * kernel 2: BJ = 128 blocks per selection tile (NS2 = 8 at 64k).
-Kernel 1 offline (sm_90, aligned arguments as a launch specializes them): 206 registers and
-70 KB of shared memory (cp.async pipelined) at B = 16, so two programs fit per SM; with tiles
-of 32 tokens, 128 registers and 38 KB: four.
 ``PDL`` (sm90+): each kernel waits on the previous one (griddepcontrol.wait) before touching
 memory and lets the next one launch once its own work is issued, so launches overlap.
 """
@@ -444,7 +443,8 @@ def _selected_kernel(
 
 # Launch plan and wrapper --------------------------------------------------------------------
 
-FILL = 2  # programs per SM the compressed and the selected passes should reach at B = 1
+FILL = 2  # programs per SM the selected and window items should reach at B = 1
+COMPRESSED_LAUNCH = dict(num_warps=2, num_stages=2)  # kernel 1: four programs an SM
 SPLITS_PER_SM = 4  # compressed programs per SM at large B·H (each loops over its tiles)
 MAX_SPLITS = 64  # compressed programs per (b, h): a merge reads S1 partials of its heads
 MAX_HEAD_SLICES = 4  # G cut into at most this many slices (each re-reads the same keys)
@@ -475,13 +475,13 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
     R = params.sel_block // params.cmp_stride  # compressed tokens starting in one block
     spill = -(-(params.cmp_block // params.cmp_stride - 1) // R)  # blocks a token reaches on
     num_blocks = -(-S // params.sel_block)
-    for tokens in (64, 32, 16):  # the largest tile that still fills the GPU
+    for tokens in (64, 32, 16):  # the largest tile that gives every SM a program
         # A power of two of blocks (kernel 1 reshapes by it), at least 16 columns of R_PAD
         # tokens, and at least the blocks a token spills into (its carry goes to the next).
         tile_blocks = max(1 << (max(1, tokens // R).bit_length() - 1), 16 // pow2(R, 1),
                           pow2(spill, 1))
         tiles = -(-num_blocks // tile_blocks)
-        if B * H * tiles >= fill:
+        if B * H * tiles >= sms:
             break
     splits = min(tiles, -(-SPLITS_PER_SM * sms // (B * H)), MAX_SPLITS)
     splits = -(-tiles // -(-tiles // splits))  # as many as have tiles at full capacity
@@ -558,7 +558,7 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
         H, C, NB, NT, S1, scale_log2,
         BLOCK_G=pow2(G), TB=TB, R=R, R_PAD=pow2(R, 1), SPILL=-(-(K - 1) // R), PRE=K - 1,
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
-        SEL_BLOCK=params.sel_block, **shared, **launch)
+        SEL_BLOCK=params.sel_block, **shared, **launch, **COMPRESSED_LAUNCH)
     _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
         q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, score, cand,
         sel_ticket, blocks, counter, base, p_m, p_l, p_acc,
