@@ -59,13 +59,19 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
             synchronize(device)
         result[f"{name}_host_ms"] = statistics.median(times)
     if device.type == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                forward_backward()
-            synchronize(device)
-        kernels = sum(e.self_device_time_total for e in prof.key_averages())
-        result["fwd_bwd_gpu_ms"] = kernels / calls / 1e3
+        result["fwd_bwd_gpu_ms"] = gpu_ms(forward_backward, calls)
     return result
+
+
+def gpu_ms(fn, calls: int) -> float:
+    """Milliseconds of GPU time per call of fn: the device time of the kernels it launches
+    (torch.profiler), free of the host time that a call's wall time is wherever the host is
+    slower than the GPU (small shapes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 def main(argv=None):

@@ -2,11 +2,13 @@
 
     python bench/tune_kernels.py --seq 32768
 
-Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the median time of its
-launch for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4, D=128, bf16, paper
-parameters (override with --batch/--heads/--dim). The selected forward and dq are timed both
-per position (selected_*; dK/dV per block) and as masked causal attention (masked_*: where T
-allows it, see nsa/ops/triton/selected_masked.py), on the same selected blocks.
+Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the GPU time of its launch
+(the kernels' device time, torch.profiler: at small shapes a call's wall time is the host's,
+whatever the launch shape) for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4,
+D=128, bf16, paper parameters (override with --batch/--heads/--dim). The selected forward and dq
+are timed both per position (selected_*; dK/dV per block) and as masked causal attention
+(masked_*: where T allows it, see nsa/ops/triton/selected_masked.py), on the same selected
+blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import itertools
 
 import torch
-from triton.testing import do_bench
+from op_host import gpu_ms  # bench/op_host.py
 
 import nsa
 from nsa.ops.params import NSAParams
@@ -34,6 +36,7 @@ from nsa.ops.triton.selected_masked import (
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
+CALLS = 20  # calls profiled per launch shape
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 
@@ -120,7 +123,8 @@ def main(argv=None):
                 TUNING[family] = NARROW_TUNING[family] = dict(
                     default[family], rows=rows, num_warps=warps, num_stages=n_stages)
                 try:
-                    ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+                    fn()  # compile
+                    ms = gpu_ms(fn, CALLS)
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
                     ms = float("inf")
                     print(f"  {family}/{label} rows={rows} warps={warps} stages={n_stages}: "
@@ -130,7 +134,8 @@ def main(argv=None):
             NARROW_TUNING.pop(family)
             if family in narrow:
                 NARROW_TUNING[family] = narrow[family]
-            ms_default = do_bench(fn, warmup=10, rep=60, return_mode="median")  # as shipped
+            fn()
+            ms_default = gpu_ms(fn, CALLS)  # as shipped
             timings.sort()
             best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)

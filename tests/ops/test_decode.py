@@ -162,8 +162,8 @@ def test_triton_step_is_deterministic(monkeypatch):
 def test_decode_plan_fills_the_gpu():
     """The module docstring's launch shapes on an H200 (132 SMs), HQ = 64, H = 4, paper
     parameters: a batch of one gets ~2 programs per SM of one 64-token tile each in the
-    compressed pass and ~2 an SM in the selected pass, with merges of few partials; a batch of 16 gets long programs whose partials are a
-    few percent of what they read."""
+    compressed pass and ~2 an SM in the selected pass, with merges of few partials; a batch of
+    16 gets long programs whose partials are a few percent of what they read."""
     from nsa.ops.triton.decode import decode_plan
 
     params, sms, H, G, Dv = NSAParams(), 132, 4, 16, 128

@@ -35,11 +35,11 @@ TUNING = {
     "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
-# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd/dq v20).
+# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd/dq v20; cmp_dkdv v23).
 NARROW_TUNING = {
     "cmp_dq": dict(rows=64, num_warps=4, num_stages=3),
     "win_dq": dict(rows=64, num_warps=4, num_stages=3),
-    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2),
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
