@@ -91,7 +91,13 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.launch import num_sms, pow2
-from nsa.ops.triton.selection import MAX_BLOCK, block_keys, key_blocks, overlap_weights
+from nsa.ops.triton.selection import (
+    MAX_BLOCK,
+    block_keys,
+    key_blocks,
+    overlap_weights,
+    spill_blocks,
+)
 from nsa.ops.triton_support import DECODE_PDL
 
 
@@ -473,7 +479,7 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
     """Launch shapes for B sequences of capacity S on a device of ``sms`` SMs."""
     fill = FILL * sms
     R = params.sel_block // params.cmp_stride  # compressed tokens starting in one block
-    spill = -(-(params.cmp_block // params.cmp_stride - 1) // R)  # blocks a token reaches on
+    spill = spill_blocks(params)
     num_blocks = -(-S // params.sel_block)
     for tokens in (64, 32, 16):  # the largest tile that gives every SM a program
         # A power of two of blocks (kernel 1 reshapes by it), at least 16 columns of R_PAD
@@ -556,7 +562,7 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     _compressed_kernel[(B * H, S1)](
         q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref, sel_ticket,
         H, C, NB, NT, S1, scale_log2,
-        BLOCK_G=pow2(G), TB=TB, R=R, R_PAD=pow2(R, 1), SPILL=-(-(K - 1) // R), PRE=K - 1,
+        BLOCK_G=pow2(G), TB=TB, R=R, R_PAD=pow2(R, 1), SPILL=spill_blocks(params), PRE=K - 1,
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
         SEL_BLOCK=params.sel_block, **shared, **launch, **COMPRESSED_LAUNCH)
     _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](

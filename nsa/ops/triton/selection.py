@@ -31,6 +31,14 @@ from nsa.ops.triton.tables import tile_table
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
 
 
+def spill_blocks(params) -> int:
+    """Blocks after its own that a compressed token reaches into, at most: it covers l/d
+    strides, and l'/d tokens start in each block (the prefill's and the decode step's SPILL)."""
+    tokens_per_block = params.sel_block // params.cmp_stride
+    cells = params.cmp_block // params.cmp_stride  # a token's length in strides
+    return (tokens_per_block + cells - 2) // tokens_per_block
+
+
 @triton.jit
 def overlap_weights(tok_lo, blk_lo, ok, CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr):
     """The share of a compressed token in a selection block (NSA_SPEC.md, Eq. 9):
@@ -159,9 +167,7 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     # Blocks per step: the top-n width, or as many as hold tuning["tokens"] compressed tokens.
     tokens_per_block = params.sel_block // params.cmp_stride
     best = max(2, next_pow2(params.num_selected))  # running top-n width
-    # A compressed token reaches into at most SPILL blocks after its own.
-    cells = params.cmp_block // params.cmp_stride  # a token's length in strides
-    spill = (tokens_per_block + cells - 2) // tokens_per_block
+    spill = spill_blocks(params)
     blocks_per_step = max(best, next_pow2(spill + 1),
                           next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
     m_pad = next_pow2(tokens_per_block)
