@@ -66,7 +66,8 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
 def gpu_ms(fn, calls: int) -> float:
     """Milliseconds of GPU time per call of fn: the device time of the kernels it launches
     (torch.profiler), free of the host time that a call's wall time is wherever the host is
-    slower than the GPU (small shapes)."""
+    slower than the GPU (small shapes). One call first, unprofiled (compiles, allocates)."""
+    fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()

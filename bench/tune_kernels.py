@@ -123,7 +123,6 @@ def main(argv=None):
                 TUNING[family] = NARROW_TUNING[family] = dict(
                     default[family], rows=rows, num_warps=warps, num_stages=n_stages)
                 try:
-                    fn()  # compile
                     ms = gpu_ms(fn, CALLS)
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
                     ms = float("inf")
@@ -134,7 +133,6 @@ def main(argv=None):
             NARROW_TUNING.pop(family)
             if family in narrow:
                 NARROW_TUNING[family] = narrow[family]
-            fn()
             ms_default = gpu_ms(fn, CALLS)  # as shipped
             timings.sort()
             best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
