@@ -21,8 +21,9 @@ TUNING = {
     "cmp_dkdv": dict(rows=128, num_warps=8, num_stages=2),
     "win_dkdv": dict(rows=128, num_warps=8, num_stages=2),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
-    # per step.
-    "select": dict(rows=64, num_warps=4, num_stages=1, tokens=128),
+    # per step; stages: the head loop's (the step loop is not pipelined), for groups of at
+    # least staged_group heads (smaller groups lost more to the pipeline's prologue than it hid).
+    "select": dict(rows=64, num_warps=4, num_stages=3, tokens=128, staged_group=16),
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned;
     # warps for head dim 128 (selected.py halves them for smaller heads).
     "selected_fwd": dict(num_warps=1, num_stages=2),

@@ -3,7 +3,9 @@
 ``_select_kernel``: one program per (tile of ``BLOCK_P`` consecutive positions of one sequence,
 KV head). Each step loads the compressed keys of ``BJ`` selection blocks once and, for each of
 the G query heads of the group in turn, recomputes the compressed probabilities from the
-compressed log-sum-exp and adds them up (the group score is a sum over heads). A step's
+compressed log-sum-exp and adds them up (the group score is a sum over heads); for large
+groups that head loop is software-pipelined, the next heads' q tiles loading while this
+head's products run (``HEAD_STAGES``; the step loop around it is not). A step's
 columns are ordered (token of a block, block), so the probabilities reshape to
 [positions, tokens per block, BJ]; a block's score is a weighted sum of its own tokens plus
 the shares of the tokens of the ``SPILL`` blocks before it, rolled along the blocks with
@@ -77,6 +79,7 @@ def _select_kernel(
     TOK_PAD: tl.constexpr, M_PAD: tl.constexpr, SPILL: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_STAGES: tl.constexpr,
 ):
     """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
     tile = tl.program_id(0)
@@ -114,7 +117,9 @@ def _select_kernel(
         kc = load_tile(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64) * stride_kt
                        + h * stride_kh, k_ok, DK, BLOCK_DK)
         p = tl.zeros([BLOCK_P, TOK_PAD], tl.float32)  # group probabilities, summed over heads
-        for g in range(G):
+        # The head loop is the one Triton pipelines (the innermost): its loads of the next
+        # heads' q tiles are issued HEAD_STAGES - 1 heads ahead (cp.async).
+        for g in tl.range(G, num_stages=HEAD_STAGES):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
             p += exp_from(dot(q, tl.trans(kc), IEEE), lse, scale_log2)
@@ -171,6 +176,9 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     blocks_per_step = max(best, next_pow2(spill + 1),
                           next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
     m_pad = next_pow2(tokens_per_block)
+    # Pipelined head loop: large groups, tiles of at most 128 16-bit values (shared memory).
+    staged = G >= tuning["staged_group"] and pow2(Dk) * q.element_size() <= 256
+    head_stages = tuning["num_stages"] if staged else 1
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *strides(q), *strides(k_cmp), *lse_cmp.stride()[:2], *strides(idx),
@@ -180,6 +188,7 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
         CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
-        num_warps=tuning["num_warps"], num_stages=1 if pow2(Dk) > 128 else tuning["num_stages"],
+        HEAD_STAGES=head_stages,
+        num_warps=tuning["num_warps"], num_stages=1,
     )
     return idx
