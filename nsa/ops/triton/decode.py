@@ -10,18 +10,25 @@ of GS of them), so keys are loaded once per group. Every key and value load is m
 tokens the spec counts, the rest load as 0, so no tile needs the finite-part products of the
 training kernels (common.py, Masks): a NaN past ``pos`` is never read.
 
-1. ``_compressed_kernel``, grid (B·H, S1). Program s takes an equal share of the tiles of its
-   sequence (a tile: TB selection blocks, a power of two, i.e. the TB·l'/d compressed tokens
-   that start in them). Reads q and the visible compressed K, V once. Writes per tile and
-   head the block-score partials ``p @ W`` (``BLK``; W: the spec's overlap weights
-   |[i·d, i·d + l) ∩ block| / l) in units of the program's running maximum up to that tile
-   (``REF``), and per program and head the softmax partial (m, l, acc [Dv]). No score per
-   token is written. A tile's columns are block-minor (token i of block c at i·TB + c), so a
-   block's own share is a reshape and a sum, and the shares its last tokens spill into the
-   next blocks are rolled along the blocks; what rolls past the tile is carried to the next
-   (rescaled to its maximum). A program's first tile takes that carry from the keys of the
-   K - 1 = l/d - 1 tokens before it, read once.
-2. ``_select_kernel``, grid (B·H, NS2 + NGS·(1 + P_WIN)), three kinds of program:
+1. ``_compressed_kernel``, grid (B·H, S1 + NGS·P_WIN), two kinds of program:
+   * compressed split s < S1: an equal share of the tiles of its sequence (a tile: TB
+     selection blocks, a power of two, i.e. the TB·l'/d compressed tokens that start in
+     them). Reads q and the visible compressed K, V once. Writes per tile and head the
+     block-score partials ``p @ W`` (``BLK``; W: the spec's overlap weights
+     |[i·d, i·d + l) ∩ block| / l) in units of the program's running maximum up to that tile
+     (``REF``), and per program and head the softmax partial (m, l, acc [Dv]). No score per
+     token is written. A tile's columns are block-minor (token i of block c at i·TB + c), so
+     a block's own share is a reshape and a sum, and the shares its last tokens spill into
+     the next blocks are rolled along the blocks; what rolls past the tile is carried to the
+     next (rescaled to its maximum). A program's first tile takes that carry from the keys of
+     the K - 1 = l/d - 1 tokens before it, read once;
+   * window item S1 + k (k < NGS·P_WIN): item k % P_WIN of the slice k // P_WIN of GS heads,
+     a range of the window's tokens, a softmax partial (kernel 3's item P_SEL + k % P_WIN).
+   The window depends on nothing the step computes (it reads q, pos and the window's K, V), so
+   it runs here, not behind a wait on kernel 1. Its programs come after the splits in the
+   grid, so they are scheduled after them: on the SMs the splits leave free, or in the tail
+   of the splits' wave.
+2. ``_select_kernel``, grid (B·H, NS2 + NGS), two kinds of program:
    * selection tile j < NS2: the group score of BJ blocks (the G heads' partials, each scaled
      to its head's softmax: exp2(REF - max) / sum, from the S1 partials), the forced blocks,
      and the tile's top NSEL_PAD as int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)``
@@ -29,17 +36,15 @@ training kernels (common.py, Masks): a NaN past ``pos`` is never read.
      ``overlap_weights`` of selection.py) into ``CAND``; the last tile of (b, h) to finish
      merges them into the selection (``BLOCKS``, ascending); tile 0 also zeroes the (b, h)
      tickets of kernel 3 (kernel 1 zeroes the selection tiles' own);
-   * per slice of GS heads, the compressed merge: g_cmp·o_cmp from the S1 partials (``BASE``);
-   * per slice, P_WIN window items: a range of the window's tokens, a softmax partial.
-   The window does not depend on the selection: it streams from HBM while the selection
-   programs, which read little, sort.
+   * NS2 + slice, per slice of GS heads: the compressed merge, g_cmp·o_cmp from the S1
+     partials (``BASE``).
 3. ``_selected_kernel``, grid (B·H·NGS, P_SEL). Each program reads the selection kernel 2's
    last selection tile of (b, h) wrote (that tile, found by an atomic ticket, merges every
    tile's candidate lists in one top-k: once per (b, h) rather than in every program here),
    reads its share of the selected blocks' tokens (laid end to end in ascending order) for its
    GS heads and writes a softmax partial. The last program of (b, h, slice) to finish (an
-   atomic ticket, acq_rel after a CTA barrier) merges the selected and the window partials in
-   item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
+   atomic ticket, acq_rel after a CTA barrier) merges the selected and kernel 1's window
+   partials in item order and writes g_cmp·o_cmp + g_slc·o_slc + g_win·o_win.
 
 Every merge of partials (``_merge_partials``: the compressed splits in kernel 2, the items in
 kernel 3) loads the maxima and sums of all its partials at once, then their accumulators up to
@@ -56,17 +61,22 @@ that, and a merge in one program should read few of them (one SM pulls ~100 GB/s
 * kernel 1: tiles of 64 compressed tokens (32 KB of K, V), or 32 / 16 when B·H·tiles would be
   fewer than one program per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), evened so no program
   is idle. B = 1, 64k: 64 programs of one 64-token tile per head (256); B = 16: 8 programs of
-  eight 64-token tiles (512; partials are 3 % of what they read). Two warps, two stages
-  (``COMPRESSED_LAUNCH``): four programs an SM, which hide each other's loads; measured on the
-  H200 at 64k, kernel 1 takes 40 µs at B = 16 and 6 µs at B = 1 (bench/NOTES.md, decode v9).
-* kernels 2 and 3: 64-token tiles; items of one tile, or of ⌊B·H·tiles / (2·SMs)⌋ tiles
-  (evened) once B·H·tiles reaches 2 programs per SM; the G heads cut into NGS ≤ 4 slices
-  while there are fewer selected items than SMs. B = 1, 64k: 4 slices of 4 heads, 16 selected
-  items of 64 tokens (256 programs), 8 window items per slice, and each final merge reads 24
-  partials of 2 KB; B = 16: 4 selected items of 256 tokens, 2 window items, one slice.
-* kernel 2: BJ = 128 blocks per selection tile (NS2 = 8 at 64k).
+  eight 64-token tiles (512; partials are 3 % of what they read). Then the window items
+  (below): 128 programs at B = 1 and at B = 16. Two warps, two stages
+  (``COMPRESSED_LAUNCH``, the window items' too): four programs an SM, which hide each
+  other's loads; measured on the H200 at 64k, decode v9's kernel 1 (the splits alone) took
+  40 µs at B = 16 and 6 µs at B = 1 (bench/NOTES.md, decode v9).
+* selected and window items (kernels 3 and 1): 64-token tiles; items of one tile, or of
+  ⌊B·H·tiles / (2·SMs)⌋ tiles (evened) once B·H·tiles reaches 2 programs per SM; the G heads
+  cut into NGS ≤ 4 slices while there are fewer selected items than SMs. B = 1, 64k: 4 slices
+  of 4 heads, 16 selected items of 64 tokens (256 programs), 8 window items per slice (128),
+  and each final merge reads 24 partials of 2 KB; B = 16: 4 selected items of 256 tokens,
+  2 window items, one slice.
+* kernel 2: BJ = 128 blocks per selection tile (NS2 = 8 at 64k), and NGS compressed merges.
 ``PDL`` (sm90+): each kernel waits on the previous one (griddepcontrol.wait) before touching
-memory and lets the next one launch once its own work is issued, so launches overlap.
+memory and lets the next one launch once its own work is issued, so launches overlap. Kernel 3
+reads kernel 1's window partials behind its wait on kernel 2: kernel 2 finishes only after
+every one of its programs' waits on kernel 1 returned.
 """
 
 from __future__ import annotations
@@ -151,85 +161,126 @@ def _store_partial(P_M, P_L, P_ACC, rows, count, item, row_ok, m, l, acc, DV: tl
 
 
 @triton.jit
+def _window_item(Q, KW, VW, POS, P_M, P_L, P_ACC, slice_id, item, H, SW, NWIN, P_SEL, P_WIN,
+                 scale_log2, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, GS: tl.constexpr,
+                 NGS: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                 ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr, IEEE: tl.constexpr):
+    """Window item ``item`` of head slice ``slice_id``: the window's tokens [u0, u0 + ITEM_WIN)
+    back from pos, a softmax partial: item P_SEL + item of the P_SEL + P_WIN kernel 3 merges."""
+    b, h, _, hq, row_ok = _head_rows(slice_id, H, G, GS, NGS, BLOCK_R)
+    rows = b * H * G + hq  # [BLOCK_R]
+    pos = tl.load(POS + b)
+    q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    u0 = item * ITEM_WIN
+    u_end = tl.minimum(u0 + ITEM_WIN, tl.minimum(NWIN, pos + 1))
+    for start in range(u0, u_end, CHUNK):
+        back = start + tl.arange(0, CHUNK)  # how far behind pos; in a ring, the slot
+        ok = back < u_end
+        if WINDOW_RING:
+            row = back
+        else:
+            row = pos - back
+        at = (b * SW + row) * H + h
+        k = load_tile(KW + at * DK, ok, DK, BLOCK_DK)
+        v = load_tile(VW + at * DV, ok, DV, BLOCK_DV)
+        m, l, acc = attend_tile(q, k, v, ok[None, :], m, l, acc, scale_log2, IEEE, False)
+    _store_partial(P_M, P_L, P_ACC, rows, P_SEL + P_WIN, P_SEL + item, row_ok, m, l, acc, DV,
+                   BLOCK_DV)
+
+
+@triton.jit
 def _compressed_kernel(
-    Q, KC, VC, POS, PART_M, PART_L, PART_ACC, BLK, REF, SEL_TICKET,
-    H, C, NB, NT, S1, scale_log2,
+    Q, KC, VC, KW, VW, POS, PART_M, PART_L, PART_ACC, BLK, REF, SEL_TICKET, P_M, P_L, P_ACC,
+    H, C, NB, NT, S1, SW, NWIN, P_SEL, P_WIN, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TB: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, SPILL: tl.constexpr, PRE: tl.constexpr, PRE_PAD: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    GS: tl.constexpr, NGS: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Compressed splits, then per slice of GS heads the window items."""
     if PDL:
         gdc_wait()
-    b, h, _, hq, row_ok = _head_rows(tl.program_id(0), H, G, G, 1, BLOCK_G)
+    pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    if split == 0:  # kernel 2's selection tickets for (b, h) start at 0
-        tl.store(SEL_TICKET + tl.program_id(0), 0)
-    rows = b * H * G + hq  # [BLOCK_G] row of (b, hq) in the [B, HQ, ...] buffers
-    q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
-    pos = tl.load(POS + b)
-    visible = compressed_count(pos + 1, CMP_BLOCK, CMP_STRIDE)
-    tiles = (pos // SEL_BLOCK) // TB + 1  # every block <= pos's gets its score written
-    per_split = tl.cdiv(tiles, S1)
-    t_lo = split * per_split
-    t_hi = tl.minimum(t_lo + per_split, tiles)
-    # A tile's columns are (token i of a block, block c of the tile), i-major: i·TB + c, so
-    # the probabilities reshape to [rows, R_PAD, TB] and a block's score is a sum over axis 1
-    # (as the prefill's selection kernel). Share of token i in its own block and in the k-th
-    # after it (k <= SPILL): the same for every block.
-    col = tl.arange(0, R_PAD * TB)
-    col_i = col // TB
-    c = tl.arange(0, TB)
-    i = tl.arange(0, R_PAD)
-    w_own = overlap_weights(i * CMP_STRIDE, 0, i < R, CMP_BLOCK, SEL_BLOCK)
-    # The first tile's carry: the shares of the PRE tokens before it in its blocks, in units
-    # of their own maximum (later tiles take it from the tile before them).
-    ap = tl.arange(0, PRE_PAD)
-    ip = t_lo * TB * R - PRE + ap
-    ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
-    qk_p = masked_products(q, load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK),
-                           ok_p[None, :], IEEE)
-    ref_run = max_score(qk_p, scale_log2)
-    w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], (c * SEL_BLOCK)[None, :],
-                            (ap < PRE)[:, None], CMP_BLOCK, SEL_BLOCK)
-    e_p = exp_from(qk_p, tl.where(ref_run == float("-inf"), 0.0, ref_run), scale_log2)
-    carry = tl.sum(e_p[:, :, None] * w_pre[None, :, :], axis=1)  # [BLOCK_G, TB]
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for t in range(t_lo, t_hi):
-        tok = (t * TB + col % TB) * R + col_i
-        ok = (col_i < R) & (tok < visible)
-        k = load_tile(KC + ((b * C + tok) * H + h) * DK, ok, DK, BLOCK_DK)
-        v = load_tile(VC + ((b * C + tok) * H + h) * DV, ok, DV, BLOCK_DV)
-        qk = masked_products(q, k, ok[None, :], IEEE)
-        # The running maximum of the program's tiles: the carry rescales to it (never up).
-        ref_t = tl.maximum(ref_run, max_score(qk, scale_log2))
-        ref = tl.where(ref_t == float("-inf"), 0.0, ref_t)
-        p = exp_from(qk, ref, scale_log2)
-        p3 = tl.reshape(p, [BLOCK_G, R_PAD, TB])
-        blk = tl.sum(p3 * w_own[None, :, None], axis=1)
-        blk += carry * tl.exp2((ref_run - ref) * exp_scale(scale_log2))[:, None]
-        carry = tl.zeros([BLOCK_G, TB], tl.float32)
-        for s in tl.static_range(1, SPILL + 1):  # shares in block c + s: rolled by s
-            w_s = overlap_weights(i * CMP_STRIDE, s * SEL_BLOCK, i < R, CMP_BLOCK, SEL_BLOCK)
-            rolled = tl.gather(tl.sum(p3 * w_s[None, :, None], axis=1),
-                               tl.broadcast_to(((c + TB - s) % TB)[None, :], [BLOCK_G, TB]),
-                               axis=1)
-            blk += tl.where(c[None, :] >= s, rolled, 0.0)
-            carry += tl.where(c[None, :] < s, rolled, 0.0)  # into the next tile's blocks
-        ref_run = ref_t
-        j = t * TB + c
-        tl.store(BLK + rows[:, None] * NB + j[None, :], blk,
-                 mask=row_ok[:, None] & (j < NB)[None, :])
-        tl.store(REF + rows * NT + t, ref_t, mask=row_ok)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        m, l, acc = _fold(m, l, acc, ref_t, tl.sum(p, axis=1), pv, scale_log2)
-    _store_partial(PART_M, PART_L, PART_ACC, rows, S1, split, row_ok, m, l, acc, DV, BLOCK_DV)
+    if split < S1:
+        b, h, _, hq, row_ok = _head_rows(pid_bh, H, G, G, 1, BLOCK_G)
+        if split == 0:  # kernel 2's selection tickets for (b, h) start at 0
+            tl.store(SEL_TICKET + pid_bh, 0)
+        rows = b * H * G + hq  # [BLOCK_G] row of (b, hq) in the [B, HQ, ...] buffers
+        q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
+        pos = tl.load(POS + b)
+        visible = compressed_count(pos + 1, CMP_BLOCK, CMP_STRIDE)
+        tiles = (pos // SEL_BLOCK) // TB + 1  # every block <= pos's gets its score written
+        per_split = tl.cdiv(tiles, S1)
+        t_lo = split * per_split
+        t_hi = tl.minimum(t_lo + per_split, tiles)
+        # A tile's columns are (token i of a block, block c of the tile), i-major: i·TB + c, so
+        # the probabilities reshape to [rows, R_PAD, TB] and a block's score is a sum over axis 1
+        # (as the prefill's selection kernel). Share of token i in its own block and in the k-th
+        # after it (k <= SPILL): the same for every block.
+        col = tl.arange(0, R_PAD * TB)
+        col_i = col // TB
+        c = tl.arange(0, TB)
+        i = tl.arange(0, R_PAD)
+        w_own = overlap_weights(i * CMP_STRIDE, 0, i < R, CMP_BLOCK, SEL_BLOCK)
+        # The first tile's carry: the shares of the PRE tokens before it in its blocks, in units
+        # of their own maximum (later tiles take it from the tile before them).
+        ap = tl.arange(0, PRE_PAD)
+        ip = t_lo * TB * R - PRE + ap
+        ok_p = (ap < PRE) & (ip >= 0) & (ip < visible)
+        qk_p = masked_products(q, load_tile(KC + ((b * C + ip) * H + h) * DK, ok_p, DK, BLOCK_DK),
+                               ok_p[None, :], IEEE)
+        ref_run = max_score(qk_p, scale_log2)
+        w_pre = overlap_weights(((ap - PRE) * CMP_STRIDE)[:, None], (c * SEL_BLOCK)[None, :],
+                                (ap < PRE)[:, None], CMP_BLOCK, SEL_BLOCK)
+        e_p = exp_from(qk_p, tl.where(ref_run == float("-inf"), 0.0, ref_run), scale_log2)
+        carry = tl.sum(e_p[:, :, None] * w_pre[None, :, :], axis=1)  # [BLOCK_G, TB]
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        for t in range(t_lo, t_hi):
+            tok = (t * TB + col % TB) * R + col_i
+            ok = (col_i < R) & (tok < visible)
+            k = load_tile(KC + ((b * C + tok) * H + h) * DK, ok, DK, BLOCK_DK)
+            v = load_tile(VC + ((b * C + tok) * H + h) * DV, ok, DV, BLOCK_DV)
+            qk = masked_products(q, k, ok[None, :], IEEE)
+            # The running maximum of the program's tiles: the carry rescales to it (never up).
+            ref_t = tl.maximum(ref_run, max_score(qk, scale_log2))
+            ref = tl.where(ref_t == float("-inf"), 0.0, ref_t)
+            p = exp_from(qk, ref, scale_log2)
+            p3 = tl.reshape(p, [BLOCK_G, R_PAD, TB])
+            blk = tl.sum(p3 * w_own[None, :, None], axis=1)
+            blk += carry * tl.exp2((ref_run - ref) * exp_scale(scale_log2))[:, None]
+            carry = tl.zeros([BLOCK_G, TB], tl.float32)
+            for s in tl.static_range(1, SPILL + 1):  # shares in block c + s: rolled by s
+                w_s = overlap_weights(i * CMP_STRIDE, s * SEL_BLOCK, i < R, CMP_BLOCK, SEL_BLOCK)
+                rolled = tl.gather(tl.sum(p3 * w_s[None, :, None], axis=1),
+                                   tl.broadcast_to(((c + TB - s) % TB)[None, :], [BLOCK_G, TB]),
+                                   axis=1)
+                blk += tl.where(c[None, :] >= s, rolled, 0.0)
+                carry += tl.where(c[None, :] < s, rolled, 0.0)  # into the next tile's blocks
+            ref_run = ref_t
+            j = t * TB + c
+            tl.store(BLK + rows[:, None] * NB + j[None, :], blk,
+                     mask=row_ok[:, None] & (j < NB)[None, :])
+            tl.store(REF + rows * NT + t, ref_t, mask=row_ok)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            m, l, acc = _fold(m, l, acc, ref_t, tl.sum(p, axis=1), pv, scale_log2)
+        _store_partial(PART_M, PART_L, PART_ACC, rows, S1, split, row_ok, m, l, acc, DV, BLOCK_DV)
+    else:  # window item (split - S1) % P_WIN of head slice (split - S1) // P_WIN of (b, h)
+        window = split - S1
+        _window_item(Q, KW, VW, POS, P_M, P_L, P_ACC, pid_bh * NGS + window // P_WIN,
+                     window % P_WIN, H, SW, NWIN, P_SEL, P_WIN, scale_log2, G, DK, DV, BLOCK_DK,
+                     BLOCK_DV, GS, NGS, BLOCK_R, CHUNK, ITEM_WIN, WINDOW_RING, IEEE)
     if PDL:
         gdc_launch_dependents()
 
@@ -327,18 +378,16 @@ def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, s
 
 @triton.jit
 def _select_kernel(
-    Q, KW, VW, POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS,
-    COUNTER, BASE, P_M, P_L, P_ACC,
-    H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, NWIN, scale_log2,
-    G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, S1_PAD: tl.constexpr, BJ: tl.constexpr,
-    NS2_PAD: tl.constexpr, TB: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
-    SEL_BLOCK: tl.constexpr, NUM_INIT: tl.constexpr,
-    NUM_LOCAL: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr, BLOCK_R: tl.constexpr,
-    CHUNK: tl.constexpr, ITEM_WIN: tl.constexpr, WINDOW_RING: tl.constexpr,
-    MERGE_R: tl.constexpr, CHUNK_S1: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUNTER,
+    BASE,
+    H, NB, NT, S1, NS2, scale_log2,
+    G: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+    S1_PAD: tl.constexpr, BJ: tl.constexpr, NS2_PAD: tl.constexpr, TB: tl.constexpr,
+    NSEL: tl.constexpr, NSEL_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr,
+    NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, GS: tl.constexpr, NGS: tl.constexpr,
+    MERGE_R: tl.constexpr, CHUNK_S1: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Selection tiles, then per slice of GS heads: the compressed merge, the window items."""
+    """Selection tiles, then per slice of GS heads the compressed merge."""
     if PDL:
         gdc_wait()
     pid_bh = tl.program_id(0)
@@ -351,34 +400,9 @@ def _select_kernel(
                      task, pos, H, NB, NT, S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ,
                      NS2_PAD, TB, NSEL, NSEL_PAD, SEL_BLOCK, NUM_INIT, NUM_LOCAL)
     else:
-        slice_id = pid_bh * NGS + (task - NS2) // (1 + P_WIN)
-        _, _, _, hq, row_ok = _head_rows(slice_id, H, G, GS, NGS, BLOCK_R)
-        rows = b * H * G + hq
-        item = (task - NS2) % (1 + P_WIN) - 1
-        if item < 0:
-            _, _, _, hq_m, row_ok_m = _head_rows(slice_id, H, G, GS, NGS, MERGE_R)
-            _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq_m,
-                              row_ok_m, S1, scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1, S1_PAD)
-        else:  # window tokens [u0, u0 + ITEM_WIN) back from pos
-            q = load_tile(Q + rows * DK, row_ok, DK, BLOCK_DK)
-            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_R], tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-            u0 = item * ITEM_WIN
-            u_end = tl.minimum(u0 + ITEM_WIN, tl.minimum(NWIN, pos + 1))
-            for start in range(u0, u_end, CHUNK):
-                back = start + tl.arange(0, CHUNK)  # how far behind pos; in a ring, the slot
-                ok = back < u_end
-                if WINDOW_RING:
-                    row = back
-                else:
-                    row = pos - back
-                at = (b * SW + row) * H + h
-                k = load_tile(KW + at * DK, ok, DK, BLOCK_DK)
-                v = load_tile(VW + at * DV, ok, DV, BLOCK_DV)
-                m, l, acc = attend_tile(q, k, v, ok[None, :], m, l, acc, scale_log2, IEEE, False)
-            _store_partial(P_M, P_L, P_ACC, rows, P_SEL + P_WIN, P_SEL + item, row_ok, m, l,
-                           acc, DV, BLOCK_DV)
+        _, _, _, hq, row_ok = _head_rows(pid_bh * NGS + task - NS2, H, G, GS, NGS, MERGE_R)
+        _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq, row_ok, S1,
+                          scale_log2, DV, MERGE_R, BLOCK_DV, CHUNK_S1, S1_PAD)
     if PDL:
         gdc_launch_dependents()
 
@@ -549,36 +573,37 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
     out = torch.empty(B, HQ, Dv, dtype=out_dtype, device=q.device)
     pdl = use_pdl(q.device)
     launch = dict(launch_pdl=True) if pdl else {}
-    shared = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-                  IEEE=k.dtype == torch.float32, PDL=pdl)
+    shared = dict(G=G, DV=Dv, BLOCK_DV=pow2(Dv), PDL=pdl)
+    products = dict(DK=Dk, BLOCK_DK=pow2(Dk), IEEE=k.dtype == torch.float32)
     merge_rows = pow2(GS, 1)  # a merge has no products: its rows need no padding to 16
-    rows = dict(GS=GS, NGS=NGS, BLOCK_R=pow2(GS), CHUNK=TILE, MERGE_R=merge_rows)
+    rows = dict(GS=GS, NGS=NGS, BLOCK_R=pow2(GS), CHUNK=TILE)
 
     def merge_chunk(partials: int) -> int:  # partials per merge step, a power of two
         fits = max(1, MERGE_TILE // (merge_rows * pow2(Dv)))
         return min(pow2(partials, 1), 1 << (fits.bit_length() - 1))
 
     scale_log2 = scale * LOG2E
-    _compressed_kernel[(B * H, S1)](
-        q, k_cmp, v_cmp, pos, part_m, part_l, part_acc, blk, ref, sel_ticket,
-        H, C, NB, NT, S1, scale_log2,
+    _compressed_kernel[(B * H, S1 + NGS * P_WIN)](
+        q, k_cmp, v_cmp, k_win, v_win, pos, part_m, part_l, part_acc, blk, ref, sel_ticket,
+        p_m, p_l, p_acc,
+        H, C, NB, NT, S1, SW, window_tokens, P_SEL, P_WIN, scale_log2,
         BLOCK_G=pow2(G), TB=TB, R=R, R_PAD=pow2(R, 1), SPILL=spill_blocks(params), PRE=K - 1,
         PRE_PAD=pow2(K - 1), CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
-        SEL_BLOCK=params.sel_block, **shared, **launch, **COMPRESSED_LAUNCH)
-    _select_kernel[(B * H, NS2 + NGS * (1 + P_WIN))](
-        q, k_win, v_win, pos, gates, part_m, part_l, part_acc, blk, ref, score, cand,
-        sel_ticket, blocks, counter, base, p_m, p_l, p_acc,
-        H, NB, NT, S1, NS2, P_SEL, P_WIN, SW, window_tokens, scale_log2,
+        SEL_BLOCK=params.sel_block, ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring,
+        **rows, **products, **shared, **launch, **COMPRESSED_LAUNCH)
+    _select_kernel[(B * H, NS2 + NGS)](
+        pos, gates, part_m, part_l, part_acc, blk, ref, score, cand, sel_ticket, blocks,
+        counter, base,
+        H, NB, NT, S1, NS2, scale_log2,
         BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), TB=TB,
         NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,
-        ITEM_WIN=plan.window_item_tokens, WINDOW_RING=window_ring, CHUNK_S1=merge_chunk(S1),
-        **rows, **shared, **launch)
+        GS=GS, NGS=NGS, MERGE_R=merge_rows, CHUNK_S1=merge_chunk(S1), **shared, **launch)
     _selected_kernel[(B * H * NGS, P_SEL)](
         q, k, v, pos, gates, blocks, counter, base, p_m, p_l, p_acc, out,
         H, S, P_SEL, P_WIN, scale_log2,
         NSEL=params.num_selected, NSEL_PAD=nsel_pad,
-        SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens,
+        SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens, MERGE_R=merge_rows,
         CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), ITEMS_PAD=pow2(max(P_SEL, P_WIN), 1), **rows,
-        **shared, **launch)
+        **products, **shared, **launch)
     return out
