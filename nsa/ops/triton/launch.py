@@ -95,6 +95,12 @@ def pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, next_pow2(x))
 
 
+def tile_width(head_dim: int, element_size: int = 2) -> int:
+    """A head's tile width in 16-bit values: its padded dim, doubled for 4-byte elements.
+    Tiles wider than 128 are not software-pipelined (shared memory)."""
+    return pow2(head_dim) * element_size // 2
+
+
 def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
 
@@ -102,7 +108,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     dims <= 64 where it has the family. Wider tiles (a larger head dim,
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory."""
-    width = pow2(head_dim) * element_size // 2
+    width = tile_width(head_dim, element_size)
     tuning = TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
     rows, stages = tuning["rows"], tuning["num_stages"]
     if width > 128:

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile
-from nsa.ops.triton.launch import TUNING, next_pow2, pow2, shapes, strides
+from nsa.ops.triton.launch import TUNING, next_pow2, pow2, shapes, strides, tile_width
 from nsa.ops.triton.tables import tile_table
 
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
@@ -176,8 +176,8 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     blocks_per_step = max(best, next_pow2(spill + 1),
                           next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
     m_pad = next_pow2(tokens_per_block)
-    # Pipelined head loop: large groups, tiles of at most 128 16-bit values (shared memory).
-    staged = G >= tuning["staged_group"] and pow2(Dk) * q.element_size() <= 256
+    # Pipelined head loop: large groups, tiles narrow enough to pipeline.
+    staged = G >= tuning["staged_group"] and tile_width(Dk, q.element_size()) <= 128
     head_stages = tuning["num_stages"] if staged else 1
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
