@@ -40,7 +40,7 @@ def test_selection_kernel_spills_little_at_the_paper_shape():
                      BEST=16, BJ=step_blocks, TOK_PAD=step_blocks * tokens_per_block,
                      M_PAD=tokens_per_block, SPILL=1, CMP_BLOCK=32, CMP_STRIDE=16,
                      SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False,
-                     HEAD_STAGES=tuning["num_stages"])
+                     HEAD_STAGES=tuning["num_stages"], INDEX_BITS=10)  # int32 keys (64k)
     types = dict(Q="*bf16", KC="*bf16", LSE="*fp32", IDX="*i32", tile_start="*i32",
                  tile_end="*i32", tile_seq_start="*i32", tile_cmp_start="*i32",
                  scale_log2="fp32")

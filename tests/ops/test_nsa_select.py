@@ -268,6 +268,40 @@ def test_select_varlen_equals_each_sequence_alone(p):
     )
 
 
+CUDA = torch.cuda.is_available()
+# Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (tl.dot of two bf16 16 x 16 tiles
+# is off by ~1e10), so bfloat16 kernels are checked on CUDA only.
+INTERPRETED_BF16 = pytest.mark.skipif(not CUDA, reason="the Triton interpreter's bf16 tl.dot")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=INTERPRETED_BF16),
+                                   torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("p", PARAMS[:3], ids=params_id)
+@pytest.mark.parametrize("B,T,HQ,H,Dk", SHAPES[3:], ids=[shape_id(*s) for s in SHAPES[3:]])
+def test_triton_select_low_precision_modulo_near_ties(B, T, HQ, H, Dk, p, dtype):
+    """The Triton kernel's 16-bit path (int32 top-n keys: the low bits of a score hold the
+    block index) against the float64 scores, modulo near-ties; the interpreter on the CPU."""
+    device = "cuda" if CUDA else "cpu"
+    q, k_cmp = _select_inputs(B, T, HQ, H, Dk, p, dtype=dtype, seed=T + 2)
+    idx = nsa.nsa_select(q.to(device), k_cmp.to(device), backend="triton", **p).cpu()
+    assert_index_format(idx, B, T, H, sel_block=p["sel_block"], num_selected=p["num_selected"])
+    scores = naive_group_scores(q.double(), k_cmp.double(), **score_params(p))
+    assert_selection_valid(idx, scores, T, B=B, tol=SCORE_TOL[dtype] * HQ // H, **p)
+
+
+def test_triton_select_low_precision_ties_go_to_the_lower_block():
+    """Equal scores in float16: every compressed key the same, so every candidate block of
+    a position scores the same (blocks whose tokens all count) and the lowest win, as the
+    float64 oracle picks them."""
+    p = PARAMS[0]
+    device = "cuda" if CUDA else "cpu"
+    q, k_cmp = _select_inputs(1, 64, 4, 2, 8, p, dtype=torch.float16, seed=3)
+    k_cmp = torch.ones_like(k_cmp)
+    idx = nsa.nsa_select(q.to(device), k_cmp.to(device), backend="triton", **p).cpu()
+    ref = sets_to_index(naive_select(q.double(), k_cmp.double(), **p), p["num_selected"])
+    assert torch.equal(idx.long(), ref)
+
+
 def test_select_backends_and_no_grad():
     p = PARAMS[0]
     q, k_cmp = _select_inputs(1, 20, 2, 1, 8, p)

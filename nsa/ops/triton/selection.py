@@ -12,10 +12,11 @@ the shares of the tokens of the ``SPILL`` blocks before it, rolled along the blo
 ``tl.gather`` (exact float32 sums; the share rolling past the step is carried to the next).
 Products with an overlap-weight matrix on the tensor cores did the same but spilled
 registers (bench/NOTES.md v8). A running top-n per position is kept, sorted descending, as
-``BEST`` int64 keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` (larger score first, ties to
-the lower index); each step takes its own best ``BEST`` keys (a bitonic top-k), and the
-elementwise maximum of those against the running keys reversed is a bitonic sequence holding
-the best of both, which one bitonic merge sorts. No score matrix is written: memory is
+``BEST`` keys of score bits and reversed block index (``block_keys``: larger score first, ties
+to the lower index; int64 and exact for float32 inputs, int32 for 16-bit ones); each step
+takes its own best ``BEST`` keys (a bitonic top-k), and the elementwise maximum of those
+against the running keys reversed is a bitonic sequence holding the best of both, which one
+bitonic merge sorts. No score matrix is written: memory is
 linear in T.
 """
 
@@ -27,10 +28,13 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile
-from nsa.ops.triton.launch import TUNING, next_pow2, pow2, shapes, strides, tile_width
+from nsa.ops.triton.launch import TUNING, cdiv, next_pow2, pow2, shapes, strides, tile_width
 from nsa.ops.triton.tables import tile_table
 
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
+# Most score bits an int32 top-n key gives to the block index: 12 of the float32 score's 23
+# mantissa bits stay, a relative 2.4e-4, below float16's rounding (4.9e-4) and bfloat16's.
+MAX_INDEX_BITS = 11
 
 
 def spill_blocks(params) -> int:
@@ -52,20 +56,34 @@ def overlap_weights(tok_lo, blk_lo, ok, CMP_BLOCK: tl.constexpr, SEL_BLOCK: tl.c
 
 @triton.jit
 def block_keys(score, block, candidate, current, NUM_INIT: tl.constexpr,
-               NUM_LOCAL: tl.constexpr):
-    """Top-n keys ``score_bits << 32 | (block ^ MAX_BLOCK)`` of blocks by their group
-    ``score`` (larger score first, ties to the lower index): forced blocks (the first
-    NUM_INIT, the last NUM_LOCAL up to ``current``) score inf; -1 where not ``candidate``."""
+               NUM_LOCAL: tl.constexpr, INDEX_BITS: tl.constexpr = 0):
+    """Top-n keys of blocks by their group ``score`` (larger score first, ties to the lower
+    index): forced blocks (the first NUM_INIT, the last NUM_LOCAL up to ``current``) score
+    inf; -1 where not ``candidate``. INDEX_BITS = 0: int64 ``score_bits << 32 | (block ^
+    MAX_BLOCK)``, exact. INDEX_BITS > 0: int32, the score's low INDEX_BITS bits replaced by
+    ``block ^ (2**INDEX_BITS - 1)`` (blocks < 2**INDEX_BITS): scores that differ in those
+    bits only (a relative 2**(INDEX_BITS - 23)) tie, to the lower index."""
     forced = candidate & ((block < NUM_INIT) | (block > current - NUM_LOCAL))
     bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
-    key = (bits.to(tl.int64) << 32) | (block ^ MAX_BLOCK).to(tl.int64)
+    if INDEX_BITS == 0:
+        key = (bits.to(tl.int64) << 32) | (block ^ MAX_BLOCK).to(tl.int64)
+    else:
+        low: tl.constexpr = (1 << INDEX_BITS) - 1
+        key = (bits & ~low) | (block ^ low)
     return tl.where(candidate, key, -1)
 
 
 @triton.jit
-def key_blocks(keys, chosen):
-    """The blocks of top-n keys where ``chosen``, MAX_BLOCK (sorting last) elsewhere."""
-    return tl.where(chosen, (keys & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK, MAX_BLOCK)
+def key_blocks(keys, chosen, INDEX_BITS: tl.constexpr = 0):
+    """The blocks of top-n keys (``block_keys``' with the same INDEX_BITS) where ``chosen``,
+    MAX_BLOCK (sorting last) elsewhere."""
+    # No return inside the constexpr branches: the compiler would go on to the code after.
+    if INDEX_BITS == 0:
+        block = (keys & 0xFFFFFFFF).to(tl.int32) ^ MAX_BLOCK
+    else:
+        low: tl.constexpr = (1 << INDEX_BITS) - 1
+        block = (keys & low) ^ low
+    return tl.where(chosen, block, MAX_BLOCK)
 
 
 @triton.jit
@@ -79,7 +97,7 @@ def _select_kernel(
     TOK_PAD: tl.constexpr, M_PAD: tl.constexpr, SPILL: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
-    HEAD_STAGES: tl.constexpr,
+    HEAD_STAGES: tl.constexpr, INDEX_BITS: tl.constexpr,
 ):
     """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
     tile = tl.program_id(0)
@@ -109,7 +127,10 @@ def _select_kernel(
     q_rows = Q + b * stride_qb + t64 * stride_qt + h * G * stride_qh
     lse_rows = LSE + b * stride_lb + t64 * stride_lt + h * G
     carry = tl.zeros([BLOCK_P, BJ], tl.float32)
-    best = tl.full([BLOCK_P, BEST], -1, tl.int64)  # descending
+    if INDEX_BITS == 0:  # the running top-n keys, descending
+        best = tl.full([BLOCK_P, BEST], -1, tl.int64)
+    else:
+        best = tl.full([BLOCK_P, BEST], -1, tl.int32)
     num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
     for j0 in range(0, num_blocks, BJ):
         i_loc = (j0 + col_block) * TOKENS_PER_BLOCK + col_token  # compressed index in the sequence
@@ -143,7 +164,7 @@ def _select_kernel(
         block = j0 + c
         candidate = (block[None, :] <= current[:, None]) & row_ok[:, None]
         key = block_keys(score, block[None, :], candidate, current[:, None], NUM_INIT,
-                         NUM_LOCAL)
+                         NUM_LOCAL, INDEX_BITS)
         # Merge: the step's best BEST keys (descending) against the running ones reversed;
         # the elementwise maximum holds the best BEST of both as a bitonic sequence.
         if BJ > BEST:
@@ -153,7 +174,7 @@ def _select_kernel(
         best = tl.bitonic_merge(tl.maximum(best, tl.flip(key, 1)), descending=True)
     slot = tl.arange(0, BEST)
     chosen = (best >= 0) & (slot[None, :] < NUM_SELECTED)
-    blocks = tl.sort(key_blocks(best, chosen), dim=1)
+    blocks = tl.sort(key_blocks(best, chosen, INDEX_BITS), dim=1)
     blocks = tl.where(blocks == MAX_BLOCK, -1, blocks)
     tl.store(IDX + b * stride_ib + t64[:, None] * stride_it + h * stride_ih + slot[None, :],
              blocks, mask=row_ok[:, None] & (slot[None, :] < NUM_SELECTED))
@@ -179,6 +200,10 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     # Pipelined head loop: large groups, tiles narrow enough to pipeline.
     staged = G >= tuning["staged_group"] and tile_width(Dk, q.element_size()) <= 128
     head_stages = tuning["num_stages"] if staged else 1
+    # 16-bit inputs: int32 top-n keys (half the merge's compares) where the block index takes
+    # few enough of the score's bits to keep it well inside the inputs' rounding.
+    index_bits = max(1, (cdiv(T, params.sel_block) - 1).bit_length())
+    narrow_keys = q.element_size() == 2 and index_bits <= MAX_INDEX_BITS
     _select_kernel[(num_tiles, B * H)](
         q, k_cmp, lse_cmp, idx, start, end, seq_start, cmp_start,
         *strides(q), *strides(k_cmp), *lse_cmp.stride()[:2], *strides(idx),
@@ -188,7 +213,7 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
         CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
-        HEAD_STAGES=head_stages,
+        HEAD_STAGES=head_stages, INDEX_BITS=index_bits if narrow_keys else 0,
         num_warps=tuning["num_warps"], num_stages=1,
     )
     return idx
