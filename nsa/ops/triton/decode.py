@@ -394,11 +394,10 @@ def _select_kernel(
     task = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    pos = tl.load(POS + b)
     if task < NS2:
         _select_tile(PART_M, PART_L, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUNTER, b, h,
-                     task, pos, H, NB, NT, S1, NS2, NGS, scale_log2, G, BLOCK_G, S1_PAD, BJ,
-                     NS2_PAD, TB, NSEL, NSEL_PAD, SEL_BLOCK, NUM_INIT, NUM_LOCAL)
+                     task, tl.load(POS + b), H, NB, NT, S1, NS2, NGS, scale_log2, G, BLOCK_G,
+                     S1_PAD, BJ, NS2_PAD, TB, NSEL, NSEL_PAD, SEL_BLOCK, NUM_INIT, NUM_LOCAL)
     else:
         _, _, _, hq, row_ok = _head_rows(pid_bh * NGS + task - NS2, H, G, GS, NGS, MERGE_R)
         _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, b * H * G + hq, row_ok, S1,

@@ -51,6 +51,7 @@ from nsa.ops.triton.launch import (
     pow2,
     shapes,
     strides,
+    tile_width,
 )
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
@@ -368,12 +369,12 @@ def _block_descriptors(k, v, params):
 
 def _selected_launch(kind: str, q, k, v, params) -> dict:
     """Meta-parameters and launch options of the selected forward or dq (one program per
-    position and KV head; no pipelining stages for head dims above 128: shared memory; the
-    tuned warps are for head dim 128, halved per halving below it)."""
+    position and KV head; no pipelining stages for tiles wider than 128 16-bit values: shared
+    memory; the tuned warps are for head dim 128, halved per halving below it)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     tuning = TUNING[f"selected_{kind}"]
     dim = pow2(max(Dk, Dv))
-    stages = 1 if dim > 128 else tuning["num_stages"]
+    stages = 1 if tile_width(dim, q.element_size()) > 128 else tuning["num_stages"]
     warps = max(1, tuning["num_warps"] * min(dim, 128) // 128)
     return dict(_selected_meta(q, k, v, params), BLOCK_G=pow2(G), num_warps=warps,
                 num_stages=stages)
