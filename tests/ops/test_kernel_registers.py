@@ -1,9 +1,9 @@
 """Register spills of the Triton kernels, compiled for Hopper (sm_90) on any machine: Triton's
 wheel carries ptxas and cuobjdump, so no GPU is needed. A kernel that spills registers to a
 per-thread stack works from local memory. The selection kernel's 3.5 KB stack (v6: products
-with overlap matrices) cost it 1.5x at 64k (bench/NOTES.md v8); its launch now keeps 104 B
-(its head loop pipelined over 3 stages, v24), and a change that brings the large spill back
-must show."""
+with overlap matrices) cost it 1.5x at 64k (bench/NOTES.md v8); its launch kept 104 B with
+its head loop pipelined over 3 stages (v24) and 40 B since its int32 top-n keys, and a change
+that brings the large spill back must show."""
 
 import json
 
