@@ -6,7 +6,8 @@
 
 Per context T and batch B (HQ=64, H=4, D=128, bf16, paper parameters, every sequence at
 position T-1): median time of one decode-step attention (``triton.testing.do_bench``) for NSA
-(Triton kernels and the PyTorch path, each eager and replayed as a CUDA graph) and dense SDPA
+(Triton kernels and the PyTorch path, each eager and replayed as a CUDA graph; the Triton step
+also as 8 steps in one graph, as a model's layers run it: ms per step) and dense SDPA
 with each backend that runs; bytes each reads per step (NSA: the spec's token count; dense: the
 whole cache) and the achieved bandwidth, against a device-to-device copy measured in the same
 run; the time of each Triton kernel of the step (profiler). Then the decoding speed of the
@@ -43,6 +44,7 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EF
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DECODE_KERNELS = ("_compressed_kernel", "_select_kernel", "_selected_kernel")
+LAYER_STEPS = 8  # steps in one graph for the per-layer time ("nsa-triton+graph8": ms a step)
 
 
 def bench(fn) -> float:
@@ -121,6 +123,12 @@ def measure_step(T: int, B: int, HQ: int, H: int, D: int, params: NSAParams) -> 
         if CUDA:
             rows.append(dict(impl=f"nsa-{backend}+graph", ms=bench(graphed(nsa)),
                              bytes=nsa_bytes))
+        if CUDA and backend == "triton":
+            # A model's decode step runs its layers' steps back to back in one graph: the
+            # graph's own launch (~5 µs) is paid once per token, not once per layer.
+            steps = graphed(lambda nsa=nsa: [nsa() for _ in range(LAYER_STEPS)])
+            rows.append(dict(impl=f"nsa-{backend}+graph{LAYER_STEPS}",
+                             ms=bench(steps) / LAYER_STEPS, bytes=nsa_bytes))
     q = x["q"].view(B, HQ, 1, D)
     k, v = x["k"].transpose(1, 2), x["v"].transpose(1, 2)  # [B, H, T, D]
     dense_bytes = B * H * T * 2 * D * element + x["q"].numel() * element
@@ -210,8 +218,9 @@ def targets(results: dict) -> list[dict]:
     """The issue's targets from this run's numbers: (name, value, goal, met)."""
     steps, copy = results["steps"], results["copy_GBps"]
 
-    def best(T, B, prefix):
-        rows = [r for r in steps if r["T"] == T and r["B"] == B and r["impl"].startswith(prefix)]
+    def best(T, B, prefix):  # one step per launch or graph (the ratios' and bandwidth's basis)
+        rows = [r for r in steps if r["T"] == T and r["B"] == B and r["impl"].startswith(prefix)
+                and not r["impl"].endswith(f"graph{LAYER_STEPS}")]
         return min(rows, key=lambda r: r["ms"]) if rows else None
 
     out = []
@@ -227,8 +236,14 @@ def targets(results: dict) -> list[dict]:
                             goal=">= 0.5", met=share >= 0.5))
     nsa = best(65536, 1, "nsa-triton")
     if nsa:
-        out.append(dict(target="64k B=1: µs per layer step (attention)", value=1e3 * nsa["ms"],
-                        goal="<= 25", met=1e3 * nsa["ms"] <= 25))
+        out.append(dict(target="64k B=1: µs per layer step, one step per graph",
+                        value=1e3 * nsa["ms"], goal="<= 25", met=1e3 * nsa["ms"] <= 25))
+    layer = [r for r in steps if r["T"] == 65536 and r["B"] == 1
+             and r["impl"] == f"nsa-triton+graph{LAYER_STEPS}"]
+    if layer:
+        us = 1e3 * layer[0]["ms"]
+        out.append(dict(target=f"64k B=1: µs per layer step, {LAYER_STEPS} steps in one graph",
+                        value=us, goal="<= 25", met=us <= 25))
     rate = {(r["attention"], r["context"]): r["tokens_per_s"]
             for r in results["generation"] if r["cuda_graph"] == CUDA}
     per_token = {(r["attention"], r["context"]): r["step_us"]["per_token"]

@@ -474,12 +474,14 @@ def _selected_kernel(
 
 FILL = 2  # programs per SM the selected and window items should reach at B = 1
 COMPRESSED_LAUNCH = dict(num_warps=2, num_stages=2)  # kernel 1: four programs an SM
+SELECT_LAUNCH = dict(num_warps=4, num_stages=3)  # kernel 2
+SELECTED_LAUNCH = dict(num_warps=4, num_stages=3)  # kernel 3
 SPLITS_PER_SM = 4  # compressed programs per SM at large B·H (each loops over its tiles)
 MAX_SPLITS = 64  # compressed programs per (b, h): a merge reads S1 partials of its heads
 MAX_HEAD_SLICES = 4  # G cut into at most this many slices (each re-reads the same keys)
 BLOCK_TILE = 128  # blocks one selection program scores
 TILE = 64  # tokens per step of the selected and window loops
-MERGE_TILE = 2048  # most float32 partial values one merge step loads (16 a thread)
+MERGE_TILE = 4096  # most float32 partial values one merge step loads (32 a thread)
 
 
 @dataclass(frozen=True)
@@ -597,12 +599,13 @@ def decode_forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, pos, params: NSAP
         BLOCK_G=pow2(G), S1_PAD=pow2(S1, 1), BJ=plan.block_tile, NS2_PAD=pow2(NS2, 1), TB=TB,
         NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init, NUM_LOCAL=params.num_local,
-        GS=GS, NGS=NGS, MERGE_R=merge_rows, CHUNK_S1=merge_chunk(S1), **shared, **launch)
+        GS=GS, NGS=NGS, MERGE_R=merge_rows, CHUNK_S1=merge_chunk(S1), **shared, **launch,
+        **SELECT_LAUNCH)
     _selected_kernel[(B * H * NGS, P_SEL)](
         q, k, v, pos, gates, blocks, counter, base, p_m, p_l, p_acc, out,
         H, S, P_SEL, P_WIN, scale_log2,
         NSEL=params.num_selected, NSEL_PAD=nsel_pad,
         SEL_BLOCK=params.sel_block, ITEM_SEL=plan.selected_item_tokens, MERGE_R=merge_rows,
         CHUNK_ITEMS=merge_chunk(max(P_SEL, P_WIN)), ITEMS_PAD=pow2(max(P_SEL, P_WIN), 1), **rows,
-        **products, **shared, **launch)
+        **products, **shared, **launch, **SELECTED_LAUNCH)
     return out
