@@ -22,8 +22,8 @@ def test_smoke_run_writes_its_results_into_a_new_directory(tmp_path, capsys):
 
 
 def test_targets_keep_the_graph_of_layer_steps_apart():
-    """The ratios and the one-step row use one step per graph; the per-layer row uses the
-    graph of LAYER_STEPS steps, also where that is faster (it always is on a GPU)."""
+    """The ratios and the one-step row use one step per graph, even where the graph of
+    LAYER_STEPS steps (one cache each) is faster per step; the per-layer row uses that graph."""
     row = lambda T, B, impl, ms: dict(T=T, B=B, impl=impl, ms=ms, GBps=1.0)  # noqa: E731
     graph8 = f"nsa-triton+graph{decode.LAYER_STEPS}"
     steps = [row(65536, 1, "nsa-triton", 0.1), row(65536, 1, "nsa-triton+graph", 0.026),
