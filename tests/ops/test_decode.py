@@ -176,7 +176,9 @@ def test_decode_plan_fills_the_gpu():
     assert one.select_tiles == 8
     sixteen = decode_plan(16, H, G, 65536, 512, params, sms)
     tokens = sixteen.tile_blocks * params.sel_block // params.cmp_stride
-    assert tokens == 64 and sixteen.splits == 8 and sixteen.head_slices == 1
+    assert tokens == 64 and sixteen.splits == 6 and sixteen.head_slices == 1
+    # kernel 1's splits and window items in one wave of 4 programs an SM
+    assert 16 * H * (sixteen.splits + sixteen.window_items) <= 4 * sms
     read_per_split = 65536 // params.cmp_stride // sixteen.splits * 2 * 128 * 2  # K, V bf16
     assert G * Dv * 4 / read_per_split < 0.04  # a partial: G·Dv float32
     assert (sixteen.selected_items, sixteen.selected_item_tokens) == (4, 256)

@@ -59,9 +59,11 @@ tokens (0.26 MB). A partial is G·Dv·4 B (8 KB for G = 16): a program should re
 that, and a merge in one program should read few of them (one SM pulls ~100 GB/s: 100 KB is
 ~1 µs). Hence, on an H200 (132 SMs) with H = 4, G = 16, paper parameters:
 * kernel 1: tiles of 64 compressed tokens (32 KB of K, V), or 32 / 16 when B·H·tiles would be
-  fewer than one program per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), evened so no program
-  is idle. B = 1, 64k: 64 programs of one 64-token tile per head (256); B = 16: 8 programs of
-  eight 64-token tiles (512; partials are 3 % of what they read). Then the window items
+  fewer than one program per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), and at most what
+  leaves the window items room in one wave of 4 programs an SM, evened so no program is idle.
+  B = 1, 64k: 64 programs of one 64-token tile per head (256); B = 16: 6 programs of eleven
+  64-token tiles (384, with the 128 window items 512 of the H200's 528 slots; partials are
+  2 % of what they read). Then the window items
   (below): 128 programs at B = 1 and at B = 16. Two warps, two stages
   (``COMPRESSED_LAUNCH``, the window items' too): four programs an SM, which hide each
   other's loads; measured on the H200 at 64k, decode v9's kernel 1 (the splits alone) took
@@ -514,8 +516,6 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
         tiles = -(-num_blocks // tile_blocks)
         if B * H * tiles >= sms:
             break
-    splits = min(tiles, -(-SPLITS_PER_SM * sms // (B * H)), MAX_SPLITS)
-    splits = -(-tiles // -(-tiles // splits))  # as many as have tiles at full capacity
     block_tile = max(pow2(params.num_selected, 2), min(BLOCK_TILE, pow2(num_blocks, 1)))
     sel_tiles = -(-params.num_selected * params.sel_block // TILE)
     win_tiles = -(-window_tokens // TILE)
@@ -525,6 +525,11 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
     while B * H * head_slices * selected_items < sms and head_slices < min(G, MAX_HEAD_SLICES):
         head_slices *= 2
     head_slices = -(-G // -(-G // head_slices))  # no empty slice
+    # Kernel 1's splits and window items in one wave of SPLITS_PER_SM programs an SM where
+    # the splits alone would fill it (a second wave would start after the first's splits).
+    wave = SPLITS_PER_SM * sms // (B * H) - head_slices * window_items
+    splits = max(1, min(tiles, -(-SPLITS_PER_SM * sms // (B * H)), MAX_SPLITS, wave))
+    splits = -(-tiles // -(-tiles // splits))  # as many as have tiles at full capacity
     return DecodePlan(
         tile_blocks=tile_blocks, splits=splits, block_tile=block_tile,
         select_tiles=-(-num_blocks // block_tile), head_slices=head_slices,
