@@ -48,9 +48,9 @@ class TrainConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     autocast: bool = True  # bf16 autocast on CUDA; the CPU always computes in float32
     num_threads: int | None = None  # torch.set_num_threads; None keeps torch's default
-    # Data: "shakespeare" (bundled), "synthetic", "passkey[:MIN-MAX[:LO-HI]][:answers]", "fineweb",
-    # "hf:<name>" or local files (a .txt/.jsonl/.parquet file, directory or glob); see
-    # nsa.train.streams.build_stream.
+    # Data: "shakespeare" (bundled), "synthetic",
+    # "passkey[:MIN-MAX[:LO-HI|:distance]][:answers]", "fineweb", "hf:<name>" or local files
+    # (a .txt/.jsonl/.parquet file, directory or glob); see nsa.train.streams.build_stream.
     data: str = "shakespeare"
     tokenizer: str = "bytes"  # "bytes" or "gpt2" (tiktoken)
     dataset_config: str | None = None  # hub config, default "sample-10BT" for fineweb

@@ -11,9 +11,12 @@ question. Every draw (keys, lengths, depths) comes from a ``torch.Generator``, s
 pure functions of its seed.
 
 Two users: ``nsa eval --tasks passkey`` asks for the key (:mod:`nsa.eval.passkey`), and the
-training source ``data=passkey[:MIN-MAX[:LO-HI]][:answers]`` (:func:`passkey_batch`) packs whole
-documents, answer included, into rows (with ``:answers`` the loss reads the answers' tokens
-only).
+training source ``data=passkey[:MIN-MAX[:LO-HI|:distance]][:answers]`` (:func:`passkey_batch`)
+packs whole documents, answer included, into rows (with ``:answers`` the loss reads the answers'
+tokens only). Depths drawn uniformly make long distances from needle to question rare (they need
+the longest documents and the smallest depths), and a model learns to retrieve only over the
+distances its training holds often (QUALITY.md, twenty-second session); with ``:distance`` the
+needle's distance is drawn uniformly instead, then a document long enough to hold it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ KEY_DIGITS = 5
 ANSWER_TOKENS = len(ANSWER.format(key="9" * KEY_DIGITS).encode())
 IGNORED = -100  # a target the loss skips (F.cross_entropy's default ignore_index)
 _SOURCE = re.compile(
-    r"passkey(?::(\d+)-(\d+)(?::(\d+(?:\.\d*)?)-(\d+(?:\.\d*)?))?)?(:answers)?")
+    r"passkey(?::(\d+)-(\d+)(?::(?:(\d+(?:\.\d*)?)-(\d+(?:\.\d*)?)|(distance)))?)?(:answers)?")
 
 
 def random_key(generator: torch.Generator) -> str:
@@ -93,6 +96,12 @@ class PasskeyText:
     def answer(self, key: str) -> list[int]:
         return self.tokenizer.encode(ANSWER.format(key=key))
 
+    def fixed_tokens(self, key: str) -> int:
+        """The tokens of a document of ``key`` that are not filler: needle, question, answer and
+        end-of-text."""
+        return (len(self.tokenizer.encode(NEEDLE.format(key=key))) + len(self._question)
+                + len(self.answer(key)) + 1)
+
     def document(self, length: int, depth: float, key: str) -> tuple[list[int], list[bool]]:
         """(tokens, is_answer): prompt, answer and the tokenizer's end-of-text id, exactly
         ``length`` tokens, and which of them are the answer's."""
@@ -106,13 +115,17 @@ class PasskeyText:
 class PasskeySource:
     """The documents of ``data=passkey:MIN-MAX:LO-HI[:answers]``: lengths MIN to MAX tokens
     (end-of-text included), needle depths LO to HI percent, each drawn uniformly; with
-    ``answers_only`` every target but the answers' tokens is ignored by the loss."""
+    ``uniform_distance`` (``:distance`` for LO-HI) the filler tokens between needle and question
+    are drawn uniformly from 0 to what a MAX-token document holds, then the length uniformly
+    from those that hold them. With ``answers_only`` every target but the answers' tokens is
+    ignored by the loss."""
 
     min_length: int
     max_length: int
     min_depth: float
     max_depth: float
     answers_only: bool = False
+    uniform_distance: bool = False
 
 
 def is_passkey_source(source: str) -> bool:
@@ -121,12 +134,14 @@ def is_passkey_source(source: str) -> bool:
 
 def parse_passkey_source(source: str, text: PasskeyText, row_length: int) -> PasskeySource:
     """``passkey`` (documents from the shortest one to a whole row of ``row_length`` tokens,
-    depths 0 to 100), ``passkey:MIN-MAX`` or ``passkey:MIN-MAX:LO-HI``, each optionally ending
-    in ``:answers`` (the loss on the answers only); SetupError naming the problem."""
+    depths 0 to 100), ``passkey:MIN-MAX``, ``passkey:MIN-MAX:LO-HI`` or
+    ``passkey:MIN-MAX:distance`` (:class:`PasskeySource`), each optionally ending in
+    ``:answers`` (the loss on the answers only); SetupError naming the problem."""
     match = _SOURCE.fullmatch(source)
     if match is None:
         raise SetupError(f"data={source!r}: write passkey, passkey:MIN-MAX (document lengths in "
-                         f"tokens) or passkey:MIN-MAX:LO-HI (needle depths in percent), "
+                         f"tokens), passkey:MIN-MAX:LO-HI (needle depths in percent) or "
+                         f"passkey:MIN-MAX:distance (needle distances drawn uniformly), "
                          f"optionally followed by :answers (the loss on the answers only)")
     lengths, depths = match.group(1, 2), match.group(3, 4)
     low, high = (int(n) for n in lengths) if lengths[0] else (text.shortest_document, row_length)
@@ -139,7 +154,8 @@ def parse_passkey_source(source: str, text: PasskeyText, row_length: int) -> Pas
     if not 0 <= depth_low <= depth_high <= 100:
         raise SetupError(f"data={source!r}: depths must satisfy 0 <= LO <= HI <= 100, got "
                          f"{depth_low:g}-{depth_high:g}")
-    return PasskeySource(low, high, depth_low, depth_high, match.group(5) is not None)
+    return PasskeySource(low, high, depth_low, depth_high, answers_only=match.group(6) is not None,
+                         uniform_distance=match.group(5) is not None)
 
 
 def passkey_row(text: PasskeyText, source: PasskeySource, row_length: int,
@@ -152,15 +168,32 @@ def passkey_row(text: PasskeyText, source: PasskeySource, row_length: int,
     is_answer: list[bool] = []
     while len(row) < row_length:
         left = row_length - len(row)
-        length = int(torch.randint(source.min_length, source.max_length + 1, (1,),
-                                   generator=generator))
-        fraction = float(torch.rand((), generator=generator))
-        depth = source.min_depth + (source.max_depth - source.min_depth) * fraction
-        key = random_key(generator)
+        if source.uniform_distance:
+            length, depth, key = _distance_draw(text, source, generator)
+        else:
+            length = int(torch.randint(source.min_length, source.max_length + 1, (1,),
+                                       generator=generator))
+            fraction = float(torch.rand((), generator=generator))
+            depth = source.min_depth + (source.max_depth - source.min_depth) * fraction
+            key = random_key(generator)
         tokens, answer = text.document(max(min(length, left), source.min_length), depth, key)
         row += tokens[:left]
         is_answer += answer[:left]
     return row, is_answer
+
+
+def _distance_draw(text: PasskeyText, source: PasskeySource,
+                   generator: torch.Generator) -> tuple[int, float, str]:
+    """(length, depth, key) of a ``uniform_distance`` document: after the needle come
+    ``after`` filler tokens, uniform over 0 to what a ``max_length`` document holds; the length
+    is uniform over the lengths that hold them."""
+    key = random_key(generator)
+    fixed = text.fixed_tokens(key)
+    after = int(torch.randint(0, source.max_length - fixed + 1, (1,), generator=generator))
+    length = int(torch.randint(max(source.min_length, after + fixed), source.max_length + 1,
+                               (1,), generator=generator))
+    filler = length - fixed
+    return length, 100.0 * (filler - after) / filler if filler else 0.0, key
 
 
 def passkey_batch(index: int, *, text: PasskeyText, source: PasskeySource, seed: int,

@@ -111,8 +111,9 @@ def build_stream(source: str, split: Split, *, tokenizer: Tokenizer, batch_size:
 
     ``source``: "shakespeare" (the bundled corpus, its last ``val_fraction`` is "val"),
     "synthetic" (uniform random tokens of the tokenizer's vocabulary), "passkey",
-    "passkey:MIN-MAX" or "passkey:MIN-MAX:LO-HI" (passkey documents of MIN to MAX tokens with
-    the key at LO to HI percent depth, :mod:`nsa.train.passkey`), "fineweb" (FineWeb-Edu,
+    "passkey:MIN-MAX", "passkey:MIN-MAX:LO-HI" or "passkey:MIN-MAX:distance" (passkey documents
+    of MIN to MAX tokens with the key at LO to HI percent depth, or at distances before the
+    question drawn uniformly, :mod:`nsa.train.passkey`), "fineweb" (FineWeb-Edu,
     ``dataset_config`` default "sample-10BT"), "hf:<name>" (the "train" split of any hub dataset,
     ``dataset_config`` its config) or local files: a file, a directory or a glob of .txt (a
     document per file), .jsonl (a JSON object per line) or .parquet files.

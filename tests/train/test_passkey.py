@@ -89,11 +89,14 @@ def documents(row: list[int]) -> list[list[int]]:
     ("passkey:answers", (80, 301), (0, 100)),
     ("passkey:90-150:answers", (90, 150), (0, 100)),
     ("passkey:80-120:50-50:answers", (80, 120), (50, 50)),
+    ("passkey:90-150:distance", (90, 150), (0, 100)),
+    ("passkey:80-301:distance:answers", (80, 301), (0, 100)),
 ])
 def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
     source = parse_passkey_source(spec, TEXT, 301)
     assert (source.min_length, source.max_length) == lengths
     assert (source.min_depth, source.max_depth) == depths
+    assert source.uniform_distance is (":distance" in spec)
     generator = batch_generator(0, 0, 0)
     seen = []
     for _ in range(20):
@@ -114,6 +117,34 @@ def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
         assert len({len(d) for d in seen}) > 5
 
 
+def needle_distances(spec: str, rows: int) -> list[int]:
+    """Filler tokens between needle and question in the first document of each of ``rows``
+    rows of 301 tokens (a first document is never shortened to fit its row)."""
+    source = parse_passkey_source(spec, TEXT, 301)
+    generator = batch_generator(0, 0, 0)
+    distances = []
+    for _ in range(rows):
+        text = BYTES.decode(documents(passkey_row(TEXT, source, 301, generator)[0])[0])
+        needle_end = re.search(r"The pass key is \d+\. Remember it\. ", text).end()
+        distances.append(text.index(QUESTION) - needle_end)
+    return distances
+
+
+def test_distance_mode_draws_needle_distances_uniformly():
+    """``:distance``: distances from needle to question uniform over 0 to the most a longest
+    document holds (here 301 - 80 = 221 filler tokens), so the far half as common as the near
+    half; with depths drawn uniformly on the same lengths the far half is much rarer."""
+    most = 301 - TEXT.shortest_document
+    uniform = needle_distances("passkey:80-301:distance", 2000)
+    assert 0 <= min(uniform) <= 5 and most - 5 <= max(uniform) <= most
+    far = sum(d > most / 2 for d in uniform) / len(uniform)
+    farthest = sum(d > 0.9 * most for d in uniform) / len(uniform)
+    assert 0.45 < far < 0.55 and 0.07 < farthest < 0.13
+    by_depth = needle_distances("passkey:80-301", 2000)
+    assert sum(d > most / 2 for d in by_depth) / len(by_depth) < 0.25
+    assert sum(d > 0.9 * most for d in by_depth) / len(by_depth) < 0.02
+
+
 @pytest.mark.parametrize("spec, message", [
     ("passkey:", "write passkey, passkey:MIN-MAX"),
     ("passkey:100", "write passkey"),
@@ -124,6 +155,8 @@ def test_rows_hold_whole_documents_within_the_spec(spec, lengths, depths):
     ("passkey:100-200:0-101", "0 <= LO <= HI <= 100"),
     ("passkey:answer", "optionally followed by :answers"),
     ("passkey:answers:100-200", "write passkey"),
+    ("passkey:distance", "passkey:MIN-MAX:distance"),
+    ("passkey:100-200:10-20:distance", "write passkey"),
 ])
 def test_a_bad_spec_is_named(spec, message):
     with pytest.raises(SetupError, match=message):
