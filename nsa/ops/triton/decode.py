@@ -59,8 +59,9 @@ tokens (0.26 MB). A partial is G·Dv·4 B (8 KB for G = 16): a program should re
 that, and a merge in one program should read few of them (one SM pulls ~100 GB/s: 100 KB is
 ~1 µs). Hence, on an H200 (132 SMs) with H = 4, G = 16, paper parameters:
 * kernel 1: tiles of 64 compressed tokens (32 KB of K, V), or 32 / 16 when B·H·tiles would be
-  fewer than one program per SM; S1 = min(tiles, ⌈4·SMs / (B·H)⌉, 64), and at most what
-  leaves the window items room in one wave of 4 programs an SM, evened so no program is idle.
+  fewer than one program per SM; S1 = min(tiles, 64, ⌊4·SMs / (B·H)⌋ − the window items of
+  a (b, h)), at least 1: the splits and the window items in one wave of 4 programs an SM,
+  evened so no program is idle.
   B = 1, 64k: 64 programs of one 64-token tile per head (256); B = 16: 6 programs of eleven
   64-token tiles (384, with the 128 window items 512 of the H200's 528 slots; partials are
   2 % of what they read). Then the window items
@@ -528,7 +529,7 @@ def decode_plan(B: int, H: int, G: int, S: int, window_tokens: int, params: NSAP
     # Kernel 1's splits and window items in one wave of SPLITS_PER_SM programs an SM where
     # the splits alone would fill it (a second wave would start after the first's splits).
     wave = SPLITS_PER_SM * sms // (B * H) - head_slices * window_items
-    splits = max(1, min(tiles, -(-SPLITS_PER_SM * sms // (B * H)), MAX_SPLITS, wave))
+    splits = max(1, min(tiles, MAX_SPLITS, wave))
     splits = -(-tiles // -(-tiles // splits))  # as many as have tiles at full capacity
     return DecodePlan(
         tile_blocks=tile_blocks, splits=splits, block_tile=block_tile,
