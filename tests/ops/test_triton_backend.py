@@ -320,6 +320,33 @@ def test_host_arithmetic_equals_tritons():
     assert next_pow2(2**40 + 1) == 2**41
 
 
+def test_key_tiles_are_tuned_for_16_bit_tiles_only():
+    from nsa.ops.triton.launch import KEYS_WIDE, NARROW_TUNING, TUNING, launch_keys
+
+    assert launch_keys("cmp_dq", 128, 2) == TUNING["cmp_dq"]["keys"]
+    assert launch_keys("cmp_dq", 64, 2) == NARROW_TUNING["cmp_dq"]["keys"]
+    assert launch_keys("cmp_fwd", 64, 2) == TUNING["cmp_fwd"]["keys"]  # no narrow entry
+    # float32 counts as twice the head dim: wide tiles take at most KEYS_WIDE keys.
+    assert launch_keys("cmp_dq", 128, 4) == min(TUNING["cmp_dq"]["keys"], KEYS_WIDE)
+    assert launch_keys("win_fwd", 192, 2) <= KEYS_WIDE
+
+
+@pytest.mark.parametrize("keys", [16, 128])
+def test_triton_matches_reference_at_other_key_tiles(keys, monkeypatch):
+    """The compressed and window kernels at key tiles other than the shipped ones (forward, dq
+    and dK/dV each): full tiles of 128 keys beside partial ones (T = 300: 148 compressed
+    tokens, a window of 130)."""
+    from nsa.ops.triton.launch import NARROW_TUNING, TUNING
+
+    for branch in ("cmp", "win"):
+        for kind in ("fwd", "dq", "dkdv"):
+            family = f"{branch}_{kind}"
+            monkeypatch.setitem(TUNING, family, dict(TUNING[family], keys=keys))
+            if family in NARROW_TUNING:
+                monkeypatch.setitem(NARROW_TUNING, family, dict(NARROW_TUNING[family], keys=keys))
+    run_case(CASES[-1], torch.float32)
+
+
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
     from nsa.ops.triton.launch import TUNING, launch_shape
 

@@ -43,6 +43,7 @@ from nsa.ops.triton.launch import (
     descriptor_pair,
     dkdv_buffers,
     dkdv_segment,
+    launch_keys,
     launch_shape,
     pow2,
     shapes,
@@ -50,7 +51,6 @@ from nsa.ops.triton.launch import (
     sum_segments,
 )
 
-BLOCK_N = 64  # keys per step of the compressed and window kernels
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 MODE_CMP = 0
 MODE_WIN = 1
@@ -386,15 +386,17 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    R, launch = launch_shape(f"{MODE_NAMES[mode]}_fwd", G, max(Dk, Dv), q.element_size())
-    # [B, NK, H, D] descriptors of BLOCK_N keys: the full key tiles load through TMA.
-    kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
+    family = f"{MODE_NAMES[mode]}_fwd"
+    R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
+    N = launch_keys(family, max(Dk, Dv), q.element_size())
+    # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
+    kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
     grid = (cdiv(T, R // G), B * H)
     _branch_fwd_kernel[grid](
         q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
-        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=BLOCK_N,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
         MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
     )
@@ -411,21 +413,25 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     NK = k.shape[1]
     do = grad.do
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-                BLOCK_N=BLOCK_N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+                MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
                 CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
-    R, launch = launch_shape(f"{MODE_NAMES[mode]}_dq", G, max(Dk, Dv), q.element_size())
-    kd, vd, tma = descriptor_pair(k, v, [1, BLOCK_N, 1])
+    family = f"{MODE_NAMES[mode]}_dq"
+    R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
+    N = launch_keys(family, max(Dk, Dv), q.element_size())
+    kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
     _branch_bwd_dq_kernel[(cdiv(T, R // G), B * H)](
         q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
         tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
         scale * LOG2E, scale,
-        BLOCK_R=R, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
+        BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
     )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
-    segment = dkdv_segment(T, cdiv(NK, BLOCK_N) * B * H, q.device,
+    family = f"{MODE_NAMES[mode]}_dkdv"
+    N = launch_keys(family, max(Dk, Dv), q.element_size())
+    segment = dkdv_segment(T, cdiv(NK, N) * B * H, q.device,
                            CMP_SEGMENT if mode == MODE_CMP else T)
     segments = cdiv(T, segment)
     dk, dv = dkdv_buffers(k, v, segments)
@@ -434,13 +440,12 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     else:
         t_lo, t_hi = tables.tok_index, tables.tok_t_hi
     if NK:
-        R, launch = launch_shape(f"{MODE_NAMES[mode]}_dkdv", G, max(Dk, Dv),
-                                 q.element_size())
+        R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
-        _branch_bwd_dkdv_kernel[(cdiv(NK, BLOCK_N), B * H, segments)](
+        _branch_bwd_dkdv_kernel[(cdiv(NK, N), B * H, segments)](
             q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
             tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, TMA=tma, **meta, **launch,
+            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma, **meta, **launch,
         )
     return sum_segments(dk, dv, k, v)

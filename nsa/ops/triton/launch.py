@@ -14,12 +14,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
 TUNING = {
     # The compressed (cmp) and window (win) branches: compressed_window.py.
-    "cmp_fwd": dict(rows=128, num_warps=4, num_stages=2),
-    "win_fwd": dict(rows=128, num_warps=4, num_stages=2),
-    "cmp_dq": dict(rows=128, num_warps=8, num_stages=2),
-    "win_dq": dict(rows=128, num_warps=8, num_stages=2),
-    "cmp_dkdv": dict(rows=128, num_warps=8, num_stages=2),
-    "win_dkdv": dict(rows=128, num_warps=8, num_stages=2),
+    # keys: per step of the forward and dq, per program of dK/dV (bench/NOTES.md, v25: 128
+    # in the compressed dq, and the compressed dK/dV at 64 rows and 4 warps, were 3-14 %
+    # faster from 16k to 64k at G = 1-16, D = 128; every other 128 or 32 was slower).
+    "cmp_fwd": dict(rows=128, num_warps=4, num_stages=2, keys=64),
+    "win_fwd": dict(rows=128, num_warps=4, num_stages=2, keys=64),
+    "cmp_dq": dict(rows=128, num_warps=8, num_stages=2, keys=128),
+    "win_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64),
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64),
+    "win_dkdv": dict(rows=128, num_warps=8, num_stages=2, keys=64),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
     # per step; stages: the head loop's (the step loop is not pipelined), for groups of at
     # least staged_group heads (smaller groups lost more to the pipeline's prologue than it hid).
@@ -36,9 +39,10 @@ TUNING = {
     "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
-# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd/dq v20; cmp_dkdv v23).
+# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd/dq v20; cmp_dkdv v23;
+# cmp_dq's 64 keys v25: 128 was 4-89 % slower at D = 64).
 NARROW_TUNING = {
-    "cmp_dq": dict(rows=64, num_warps=4, num_stages=3),
+    "cmp_dq": dict(rows=64, num_warps=4, num_stages=3, keys=64),
     "win_dq": dict(rows=64, num_warps=4, num_stages=3),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3),
@@ -114,6 +118,17 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     if width > 128:
         rows, stages = max(16, rows * 128 // width), 1
     return max(rows, pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
+
+
+KEYS_WIDE = 64  # keys of a tile of the compressed and window kernels for wide tiles
+
+
+def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
+    """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys`` for
+    16-bit tiles of head dim <= 128, at most KEYS_WIDE for wider ones (shared memory)."""
+    width = tile_width(head_dim, element_size)
+    tuning = TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
+    return tuning["keys"] if width <= 128 else min(tuning["keys"], KEYS_WIDE)
 
 
 @functools.cache
