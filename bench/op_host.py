@@ -63,16 +63,18 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
     return result
 
 
-def gpu_ms(fn, calls: int) -> float:
+def gpu_ms(fn, calls: int, kernel: str = "") -> float:
     """Milliseconds of GPU time per call of fn: the device time of the kernels it launches
     (torch.profiler), free of the host time that a call's wall time is wherever the host is
-    slower than the GPU (small shapes). One call first, unprofiled (compiles, allocates)."""
+    slower than the GPU (small shapes); only the kernels whose names contain ``kernel`` when
+    given. One call first, unprofiled (compiles, allocates)."""
     fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if kernel in e.key) / calls / 1e3
 
 
 def main(argv=None):

@@ -1,9 +1,10 @@
-"""Per-kernel time of the Triton NSA backend under different launch shapes (rows, warps, stages).
+"""Per-kernel time of the Triton NSA backend under different launch shapes (rows, warps, stages,
+and keys per tile for the compressed and window kernels).
 
     python bench/tune_kernels.py --seq 32768
 
-Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the GPU time of its launch
-(the kernels' device time, torch.profiler: at small shapes a call's wall time is the host's,
+Prints, for every kernel family of ``nsa.ops.triton.launch.TUNING``, the GPU time of its kernel
+(its device time alone, torch.profiler: at small shapes a call's wall time is the host's,
 whatever the launch shape) for each candidate shape, the best first. Inputs: B=1, HQ=64, H=4,
 D=128, bf16, paper parameters (override with --batch/--heads/--dim). The selected forward and dq
 are timed both per position (selected_*; dK/dV per block) and as masked causal attention
@@ -24,7 +25,7 @@ from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
-from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad
+from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad, launch_keys
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
@@ -37,6 +38,15 @@ from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
 CALLS = 20  # calls profiled per launch shape
+KERNELS = {  # family -> the name of the kernel it tunes (a call may launch others)
+    "cmp_fwd": "_branch_fwd_kernel", "win_fwd": "_branch_fwd_kernel",
+    "cmp_dq": "_branch_bwd_dq_kernel", "win_dq": "_branch_bwd_dq_kernel",
+    "cmp_dkdv": "_branch_bwd_dkdv_kernel", "win_dkdv": "_branch_bwd_dkdv_kernel",
+    "select": "_select_kernel", "selected_fwd": "_selected_fwd_kernel",
+    "masked_fwd": "_masked_fwd_kernel", "selected_dq": "_selected_bwd_dq_kernel",
+    "selected_dkdv": "_selected_bwd_dkdv_kernel", "masked_dq": "_masked_dq_kernel",
+    "masked_dkdv": "_masked_dkdv_kernel",
+}
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 
@@ -103,6 +113,9 @@ def main(argv=None):
     parser.add_argument("--rows", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--num-stages", default="1,2,3")
+    parser.add_argument("--keys", default="",
+                        help="keys per tile of the compressed and window families (default: "
+                        "each family's own)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,masked_fwd,"
                         "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
                         "masked_dkdv")
@@ -112,30 +125,37 @@ def main(argv=None):
     default = {name: dict(t) for name, t in TUNING.items()}
     narrow = dict(NARROW_TUNING)
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
-                                  map(int, args.num_stages.split(","))))
-    work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]
+                                  map(int, args.num_stages.split(",")),
+                                  [int(k) for k in args.keys.split(",") if k] or [None]))
+    work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]  # one backward call
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
     for family in args.families.split(","):
         for label, fn in work[family]:
             timings = []
-            for rows, warps, n_stages in grid:
-                TUNING[family] = NARROW_TUNING[family] = dict(
-                    default[family], rows=rows, num_warps=warps, num_stages=n_stages)
+            keyed = "keys" in default[family]
+            own_keys = launch_keys(family, args.dim) if keyed else None  # as shipped
+            for rows, warps, n_stages, keys in grid:
+                if not keyed and keys != grid[0][3]:
+                    continue  # a family without key tiles: each shape once
+                shape = dict(rows=rows, num_warps=warps, num_stages=n_stages)
+                if keyed:
+                    shape["keys"] = own_keys if keys is None else keys
+                TUNING[family] = NARROW_TUNING[family] = dict(default[family], **shape)
                 try:
-                    ms = gpu_ms(fn, CALLS)
+                    ms = gpu_ms(fn, CALLS, KERNELS[family])
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
                     ms = float("inf")
-                    print(f"  {family}/{label} rows={rows} warps={warps} stages={n_stages}: "
-                          f"{type(error).__name__}")
-                timings.append((ms, rows, warps, n_stages))
+                    print(f"  {family}/{label} {shape}: {type(error).__name__}")
+                timings.append((ms, rows, warps, n_stages, shape.get("keys")))
             TUNING[family] = dict(default[family])
             NARROW_TUNING.pop(family)
             if family in narrow:
                 NARROW_TUNING[family] = narrow[family]
-            ms_default = gpu_ms(fn, CALLS)  # as shipped
-            timings.sort()
-            best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" for ms, r, w, s in timings[:4])
+            ms_default = gpu_ms(fn, CALLS, KERNELS[family])  # as shipped
+            timings.sort(key=lambda t: t[0])
+            best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" + ("" if k is None else f"k{k}")
+                             for ms, r, w, s, k in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
 
 
