@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 from op_host import gpu_ms  # bench/op_host.py
@@ -25,7 +27,7 @@ from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
-from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad, launch_keys
+from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad, launch_keys, launch_shape
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
@@ -36,6 +38,7 @@ from nsa.ops.triton.selected_masked import (
 )
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
+from nsa.train.checkpoint import atomic_write_json
 
 CALLS = 20  # calls profiled per launch shape
 KERNELS = {  # family -> the name of the kernel it tunes (a call may launch others)
@@ -116,6 +119,7 @@ def main(argv=None):
     parser.add_argument("--keys", default="",
                         help="keys per tile of the compressed and window families (default: "
                         "each family's own)")
+    parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,masked_fwd,"
                         "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
                         "masked_dkdv")
@@ -130,6 +134,10 @@ def main(argv=None):
     work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]  # one backward call
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
+    where = f"{args.batch} x {args.seq}, {HQ}/{H}/{args.dim}"
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                command="python bench/tune_kernels.py " + " ".join(argv or sys.argv[1:]))
+    results = []
     for family in args.families.split(","):
         for label, fn in work[family]:
             timings = []
@@ -148,15 +156,22 @@ def main(argv=None):
                     ms = float("inf")
                     print(f"  {family}/{label} {shape}: {type(error).__name__}")
                 timings.append((ms, rows, warps, n_stages, shape.get("keys")))
+                results.append(dict(family=family, shape=where, **shape, ms=ms, shipped=False))
             TUNING[family] = dict(default[family])
             NARROW_TUNING.pop(family)
             if family in narrow:
                 NARROW_TUNING[family] = narrow[family]
             ms_default = gpu_ms(fn, CALLS, KERNELS[family])  # as shipped
+            rows_shipped, launch = launch_shape(family, HQ // H, args.dim)
+            results.append(dict(family=family, shape=where, rows=rows_shipped, **launch,
+                                **({"keys": own_keys} if keyed else {}), ms=ms_default,
+                                shipped=True))
             timings.sort(key=lambda t: t[0])
             best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" + ("" if k is None else f"k{k}")
                              for ms, r, w, s, k in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
+            if args.json:  # after every family: a call that runs out of time keeps the rows
+                atomic_write_json(Path(args.json), dict(meta=meta, rows=results))
 
 
 if __name__ == "__main__":

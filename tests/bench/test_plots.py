@@ -14,6 +14,7 @@ import plot_decode  # noqa: E402
 import plot_generation  # noqa: E402
 import plot_host  # noqa: E402
 import plot_train_step  # noqa: E402
+import plot_tuning  # noqa: E402
 
 RESULTS = BENCH / "results"
 
@@ -25,7 +26,9 @@ RESULTS = BENCH / "results"
     (plot_generation, "generation-cache-append-h100-2026-11-25.json", []),
     (plot_host, "host-v11-h100-2026-11-25.json", []),
     (plot_train_step, "train-step-cuda-graph-h100-2026-11-25.json", []),
-], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step"])
+    (plot_tuning, "tuning-v25-h200-2026-11-28.json", []),
+], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step",
+        "tuning"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])
