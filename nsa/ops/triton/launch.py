@@ -105,6 +105,12 @@ def tile_width(head_dim: int, element_size: int = 2) -> int:
     return pow2(head_dim) * element_size // 2
 
 
+def _tuning(kind: str, width: int) -> dict:
+    """A family's tuned launch for tiles ``width`` wide: TUNING's, with NARROW_TUNING's entries
+    for tiles of width <= 64 where it has the family."""
+    return TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
+
+
 def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
 
@@ -113,7 +119,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory."""
     width = tile_width(head_dim, element_size)
-    tuning = TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
+    tuning = _tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
     if width > 128:
         rows, stages = max(16, rows * 128 // width), 1
@@ -127,8 +133,8 @@ def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
     """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys`` for
     16-bit tiles of head dim <= 128, at most KEYS_WIDE for wider ones (shared memory)."""
     width = tile_width(head_dim, element_size)
-    tuning = TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
-    return tuning["keys"] if width <= 128 else min(tuning["keys"], KEYS_WIDE)
+    keys = _tuning(kind, width)["keys"]
+    return keys if width <= 128 else min(keys, KEYS_WIDE)
 
 
 @functools.cache
