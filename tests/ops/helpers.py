@@ -261,3 +261,15 @@ def assert_selection_valid(
                 free_out = [s[j] for j in range(num_candidates) if j not in chosen]
                 if free_in and free_out:
                     assert min(free_in) >= max(free_out) - tol, where
+
+
+def transpose_dkdv_tiles(monkeypatch, transposed: bool):
+    """The compressed and window dK/dV compute their tiles transposed for every group size and
+    head dim (``transposed``) or for none."""
+    from nsa.ops.triton.launch import NARROW_TUNING, TUNING
+
+    least = 1 if transposed else None
+    for family in ("cmp_dkdv", "win_dkdv"):
+        monkeypatch.setitem(TUNING, family, dict(TUNING[family], transposed_min_group=least))
+        monkeypatch.setitem(NARROW_TUNING, family,
+                            dict(NARROW_TUNING[family], transposed_min_group=least))

@@ -26,6 +26,7 @@ from tests.ops.helpers import (
     forward_backward,
     make_inputs,
     to_double,
+    transpose_dkdv_tiles,
 )
 from tests.ops.naive_reference import naive_attention
 
@@ -210,14 +211,18 @@ def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode
 
 
 @needs_triton
+@pytest.mark.parametrize("transposed", [False, True], ids=["tiles", "transposed-dkdv-tiles"])
 @pytest.mark.parametrize("name", ["k", "v", "q", "do"])
 @pytest.mark.parametrize("mode", ["compressed", "window"])
-def test_a_nan_in_one_batch_row_leaves_the_other_rows_path_and_results(mode, name):
+def test_a_nan_in_one_batch_row_leaves_the_other_rows_path_and_results(mode, name, transposed,
+                                                                        monkeypatch):
     """The compressed and window kernels take their partial tiles without the non-finite
     bookkeeping for each (batch row, KV head) whose keys and values (forward, dq) or whose
     queries, output gradients and gates (dK/dV) are all finite (finite.py). A NaN in batch
     row 1 sends row 1 through the bookkeeping in the same launch as row 0, whose outputs and
-    gradients stay bit for bit as when both rows are finite."""
+    gradients stay bit for bit as when both rows are finite; with the dK/dV's tiles computed
+    either way (``transposed``: p^T and dS^T as [keys, rows])."""
+    transpose_dkdv_tiles(monkeypatch, transposed)
     x = branch_inputs(mode, 2, seed=5)
     clean = run_branch(mode, **x)
     x[name] = x[name].clone()

@@ -12,6 +12,7 @@ import torch
 import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.torch_backend import block_overlap, nsa_attention_torch
+from tests.ops.helpers import transpose_dkdv_tiles
 
 triton = pytest.importorskip("triton")
 
@@ -345,6 +346,28 @@ def test_triton_matches_reference_at_other_key_tiles(keys, monkeypatch):
             if family in NARROW_TUNING:
                 monkeypatch.setitem(NARROW_TUNING, family, dict(NARROW_TUNING[family], keys=keys))
     run_case(CASES[-1], torch.float32)
+
+
+def test_dkdv_tiles_are_transposed_for_power_of_two_groups_of_16_bit_tiles_only():
+    from nsa.ops.triton.launch import TUNING, launch_transposed
+
+    least = TUNING["cmp_dkdv"]["transposed_min_group"]
+    assert launch_transposed("cmp_dkdv", 16, 128, 2)
+    assert launch_transposed("cmp_dkdv", least, 128, 2)
+    assert not launch_transposed("cmp_dkdv", least // 2, 128, 2)  # measured slower at G = 1
+    assert not launch_transposed("cmp_dkdv", 6, 128, 2)  # tiles of partial positions
+    assert not launch_transposed("cmp_dkdv", 16, 64, 2)  # narrow tiles: not measured
+    assert not launch_transposed("cmp_dkdv", 16, 128, 4)  # wide (float32) tiles
+    for family in ("win_dkdv", "selected_dkdv", "masked_dkdv"):
+        assert not launch_transposed(family, 16, 128, 2)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[-1]], ids=["varlen-G1", "full-tiles-G4"])
+def test_triton_matches_reference_with_transposed_dkdv_tiles(case, monkeypatch):
+    """The compressed and window dK/dV with p^T and dS^T computed as [keys, rows] (the
+    shipped launches take them at D = 128 only, which the interpreter cases do not reach)."""
+    transpose_dkdv_tiles(monkeypatch, True)
+    run_case(case, torch.float32)
 
 
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():

@@ -74,10 +74,22 @@ def max_score(qk, scale_log2):
 
 
 @triton.jit
-def exp_from(qk, ref, scale_log2):
-    """exp2 of (score - ref) in the units above, for products qk [rows, keys] and per-row ref
-    (a score): one fused multiply-add and one multiply per pair."""
-    return tl.exp2(tl.fma(qk, score_scale(scale_log2), -ref[:, None]) * exp_scale(scale_log2))
+def per_row(x, TRANSPOSED: tl.constexpr = False):
+    """A per-row vector x broadcast along a tile's keys: [rows, 1], or [1, rows] for a
+    TRANSPOSED tile [keys, rows]."""
+    if TRANSPOSED:  # one return (Triton compiles the statements after a return in an if)
+        broadcast = x[None, :]
+    else:
+        broadcast = x[:, None]
+    return broadcast
+
+
+@triton.jit
+def exp_from(qk, ref, scale_log2, TRANSPOSED: tl.constexpr = False):
+    """exp2 of (score - ref) in the units above, for products qk [rows, keys] (TRANSPOSED:
+    [keys, rows]) and per-row ref (a score): one fused multiply-add and one multiply per pair."""
+    return tl.exp2(tl.fma(qk, score_scale(scale_log2), -per_row(ref, TRANSPOSED))
+                   * exp_scale(scale_log2))
 
 
 @triton.jit
@@ -164,20 +176,28 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
                       PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True, gate=None,
-                      MASK_DS: tl.constexpr = False):
-    """Backward of one tile: recomputed probabilities p and dS = p (dP - delta); in a PARTIAL
-    tile, or with MASK_DS, dS is 0 where not ``valid``, whatever v, do and delta hold there.
-    Without MASKED every pair counts (a full tile; padding rows have lse = +inf, so p = 0
-    there). With a ``gate`` per row (finite), p and so dS are multiplied by it."""
+                      MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
+    """Backward of one tile: recomputed probabilities p and dS = p (dP - delta), [rows, keys],
+    or p^T and dS^T [keys, rows] when TRANSPOSED (from k q^T and v do^T; ``valid`` in the same
+    layout); in a PARTIAL tile, or with MASK_DS, dS is 0 where not ``valid``, whatever v, do
+    and delta hold there. Without MASKED every pair counts (a full tile; padding rows have
+    lse = +inf, so p = 0 there). With a ``gate`` per row (finite), p and so dS are multiplied
+    by it."""
+    if TRANSPOSED:
+        qk = dot(k, tl.trans(q), IEEE)
+        dp = dot(v, tl.trans(do), IEEE)
+    else:
+        qk = dot(q, tl.trans(k), IEEE)
+        dp = dot(do, tl.trans(v), IEEE)
     # p <= 1 in exact arithmetic; a product recomputed an ulp above the forward's, times a
     # huge scale, would make it inf (NaN stays NaN).
-    p = tl.minimum(exp_from(dot(q, tl.trans(k), IEEE), lse, scale_log2), 1.0,
+    p = tl.minimum(exp_from(qk, lse, scale_log2, TRANSPOSED), 1.0,
                    propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         p = tl.where(valid, p, 0.0)
     if gate is not None:
-        p *= gate[:, None]
-    ds = p * (dot(do, tl.trans(v), IEEE) - delta[:, None])
+        p *= per_row(gate, TRANSPOSED)
+    ds = p * (dp - per_row(delta, TRANSPOSED))
     if PARTIAL or MASK_DS:
         ds = tl.where(valid, ds, 0.0)
     return p, ds
@@ -200,13 +220,15 @@ def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
 @triton.jit
 def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
               IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
-              MASK_DS: tl.constexpr = False):
+              MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
     output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
     PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
     not finite poisons its log-sum-exp, so its p (and dS) are NaN exactly on the pairs it
     sees. MASK_DS: dS is 0 where not ``valid`` (a masked tile whose q, do and gates are known
-    finite, but whose rows' delta may not be)."""
+    finite, but whose rows' delta may not be). TRANSPOSED: p^T and dS^T are computed as such
+    (``valid`` [keys, rows]) and enter the products as the tensor cores gave them, with no
+    transpose through shared memory (a launch choice: launch.launch_transposed)."""
     q_mult = q
     do_mult = do
     gate_mult = gate
@@ -217,9 +239,12 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
         gate_mult = tl.where(gate_ok, gate, 0.0)
         lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED, gate_mult, MASK_DS)
-    acc_v += dot(tl.trans(p).to(do.dtype), do_mult, IEEE)
-    acc_k += dot(tl.trans(ds).to(q.dtype), q_mult, IEEE)
+                              MASKED, gate_mult, MASK_DS, TRANSPOSED)
+    if not TRANSPOSED:
+        p = tl.trans(p)
+        ds = tl.trans(ds)
+    acc_v += dot(p.to(do.dtype), do_mult, IEEE)
+    acc_k += dot(ds.to(q.dtype), q_mult, IEEE)
     return acc_k, acc_v
 
 

@@ -45,6 +45,7 @@ from nsa.ops.triton.launch import (
     dkdv_segment,
     launch_keys,
     launch_shape,
+    launch_transposed,
     pow2,
     shapes,
     strides,
@@ -232,9 +233,9 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, tok_pos, tok_cm
                 stride_lt, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
                 MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
-                CMP_STRIDE: tl.constexpr):
+                CMP_STRIDE: tl.constexpr, TRANSPOSED: tl.constexpr):
     """q, do, gate, lse, delta of the P positions from t_start (below t_hi) x G heads, and the mask
-    of their pairs with the keys s."""
+    of their pairs with the keys s: [rows, keys], or [keys, rows] when TRANSPOSED."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
     t = t_start + r // G
@@ -246,7 +247,10 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, tok_pos, tok_cm
         Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, row_ok, stride_qb, stride_qt,
         stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
         BLOCK_DV)
-    valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
+    if TRANSPOSED:
+        valid = (s[:, None] >= lo_r[None, :]) & (s[:, None] < hi_r[None, :]) & k_ok[:, None]
+    else:
+        valid = (s[None, :] >= lo_r[:, None]) & (s[None, :] < hi_r[:, None]) & k_ok[None, :]
     return q, do, gate, lse, delta, valid
 
 
@@ -287,7 +291,7 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
                   G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
                   WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-                  IEEE: tl.constexpr, PARTIAL: tl.constexpr):
+                  IEEE: tl.constexpr, PARTIAL: tl.constexpr, TRANSPOSED: tl.constexpr):
     """dK/dV's partial query tiles: with PARTIAL the non-finite bookkeeping of the query side
     (common.dkdv_tile), else the plain masks (q, do and the gates are known finite; dS masked:
     a row's delta may not be)."""
@@ -297,9 +301,9 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
             partial_tile(i, t_lo, full_lo, full_hi, P), t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA,
             tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot,
             stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
-            CMP_BLOCK, CMP_STRIDE)
+            CMP_BLOCK, CMP_STRIDE, TRANSPOSED)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
-                                 IEEE, PARTIAL, MASK_DS=True)
+                                 IEEE, PARTIAL, MASK_DS=True, TRANSPOSED=TRANSPOSED)
     return acc_k, acc_v
 
 
@@ -314,7 +318,7 @@ def _branch_bwd_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
     positions (program axis 2) that can see them; segments write separate partials.
@@ -348,20 +352,20 @@ def _branch_bwd_dkdv_kernel(
             k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
             LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
             stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
-            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, False)
+            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, False, TRANSPOSED)
     else:
         acc_k, acc_v = _partial_dkdv(
             k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
             LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
             stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
-            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, True)
+            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, True, TRANSPOSED)
     for t_start in range(full_lo, full_hi, P):
         q, do, gate, lse, delta = _full_query_tile(
             t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
             BLOCK_DV, BLOCK_R, TMA)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v, scale_log2,
-                                 IEEE, False, False)
+                                 IEEE, False, False, TRANSPOSED=TRANSPOSED)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
@@ -446,6 +450,8 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
             q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
             tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma, **meta, **launch,
+            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
+            TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()), **meta,
+            **launch,
         )
     return sum_segments(dk, dv, k, v)

@@ -21,7 +21,10 @@ TUNING = {
     "win_fwd": dict(rows=128, num_warps=4, num_stages=2, keys=64),
     "cmp_dq": dict(rows=128, num_warps=8, num_stages=2, keys=128),
     "win_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64),
-    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64),
+    # transposed_min_group: groups of at least this many heads, a power of two, compute p^T
+    # and dS^T as [keys, rows] (common.dkdv_tile; v26: the compressed dK/dV 4-10 % faster at
+    # G = 4-16, D = 128, but 1.10x slower at G = 1 and 1.19x at G = 6; the window's 1.3x).
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=4),
     "win_dkdv": dict(rows=128, num_warps=8, num_stages=2, keys=64),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
     # per step; stages: the head loop's (the step loop is not pipelined), for groups of at
@@ -44,7 +47,7 @@ TUNING = {
 NARROW_TUNING = {
     "cmp_dq": dict(rows=64, num_warps=4, num_stages=3, keys=64),
     "win_dq": dict(rows=64, num_warps=4, num_stages=3),
-    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3),
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
@@ -135,6 +138,15 @@ def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
     width = tile_width(head_dim, element_size)
     keys = _tuning(kind, width)["keys"]
     return keys if width <= 128 else min(keys, KEYS_WIDE)
+
+
+def launch_transposed(kind: str, G: int, head_dim: int, element_size: int = 2) -> bool:
+    """Whether a dK/dV kernel family computes its tiles transposed (common.dkdv_tile): for
+    groups of G >= its tuned ``transposed_min_group`` heads, G a power of two (query tiles of
+    whole positions), in 16-bit tiles of head dim <= 128; never for wider ones (not measured)."""
+    width = tile_width(head_dim, element_size)
+    min_group = _tuning(kind, width).get("transposed_min_group")
+    return width <= 128 and min_group is not None and G >= min_group and G & (G - 1) == 0
 
 
 @functools.cache
