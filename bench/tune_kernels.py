@@ -1,5 +1,6 @@
 """Per-kernel time of the Triton NSA backend under different launch shapes (rows, warps, stages,
-and keys per tile for the compressed and window kernels).
+keys per tile for the compressed and window kernels, and whether their dK/dV compute their
+tiles transposed).
 
     python bench/tune_kernels.py --seq 32768
 
@@ -27,7 +28,14 @@ from nsa.ops.params import NSAParams
 from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
-from nsa.ops.triton.launch import NARROW_TUNING, TUNING, BranchGrad, launch_keys, launch_shape
+from nsa.ops.triton.launch import (
+    NARROW_TUNING,
+    TUNING,
+    BranchGrad,
+    launch_keys,
+    launch_shape,
+    launch_transposed,
+)
 from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
@@ -50,6 +58,7 @@ KERNELS = {  # family -> the name of the kernel it tunes (a call may launch othe
     "selected_dkdv": "_selected_bwd_dkdv_kernel", "masked_dq": "_masked_dq_kernel",
     "masked_dkdv": "_masked_dkdv_kernel",
 }
+TRANSPOSABLE = ("cmp_dkdv", "win_dkdv")  # families whose tiles can be computed transposed
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 
@@ -119,6 +128,9 @@ def main(argv=None):
     parser.add_argument("--keys", default="",
                         help="keys per tile of the compressed and window families (default: "
                         "each family's own)")
+    parser.add_argument("--transposed", default="",
+                        help="0,1: the compressed and window dK/dV with p^T, dS^T computed as "
+                        "[keys, rows] (1) or not (0), for every group (default: as shipped)")
     parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,masked_fwd,"
                         "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
@@ -130,7 +142,9 @@ def main(argv=None):
     narrow = dict(NARROW_TUNING)
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
                                   map(int, args.num_stages.split(",")),
-                                  [int(k) for k in args.keys.split(",") if k] or [None]))
+                                  [int(k) for k in args.keys.split(",") if k] or [None],
+                                  [bool(int(t)) for t in args.transposed.split(",") if t]
+                                  or [None]))
     work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]  # one backward call
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
@@ -143,19 +157,29 @@ def main(argv=None):
             timings = []
             keyed = "keys" in default[family]
             own_keys = launch_keys(family, args.dim) if keyed else None  # as shipped
-            for rows, warps, n_stages, keys in grid:
+            transposable = family in TRANSPOSABLE
+            own_transposed = launch_transposed(family, HQ // H, args.dim)  # as shipped
+            for rows, warps, n_stages, keys, transposed in grid:
                 if not keyed and keys != grid[0][3]:
                     continue  # a family without key tiles: each shape once
+                if not transposable and transposed != grid[0][4]:
+                    continue  # ... and without transposed tiles
                 shape = dict(rows=rows, num_warps=warps, num_stages=n_stages)
                 if keyed:
                     shape["keys"] = own_keys if keys is None else keys
-                TUNING[family] = NARROW_TUNING[family] = dict(default[family], **shape)
+                if transposable:
+                    shape["transposed"] = own_transposed if transposed is None else transposed
+                TUNING[family] = NARROW_TUNING[family] = dict(
+                    default[family], **{k: v for k, v in shape.items() if k != "transposed"},
+                    **({"transposed_min_group": 1 if shape["transposed"] else None}
+                       if transposable else {}))
                 try:
                     ms = gpu_ms(fn, CALLS, KERNELS[family])
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
                     ms = float("inf")
                     print(f"  {family}/{label} {shape}: {type(error).__name__}")
-                timings.append((ms, rows, warps, n_stages, shape.get("keys")))
+                timings.append((ms, rows, warps, n_stages, shape.get("keys"),
+                                shape.get("transposed")))
                 results.append(dict(family=family, shape=where, **shape, ms=ms, shipped=False))
             TUNING[family] = dict(default[family])
             NARROW_TUNING.pop(family)
@@ -164,11 +188,12 @@ def main(argv=None):
             ms_default = gpu_ms(fn, CALLS, KERNELS[family])  # as shipped
             rows_shipped, launch = launch_shape(family, HQ // H, args.dim)
             results.append(dict(family=family, shape=where, rows=rows_shipped, **launch,
-                                **({"keys": own_keys} if keyed else {}), ms=ms_default,
-                                shipped=True))
+                                **({"keys": own_keys} if keyed else {}),
+                                **({"transposed": own_transposed} if transposable else {}),
+                                ms=ms_default, shipped=True))
             timings.sort(key=lambda t: t[0])
             best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" + ("" if k is None else f"k{k}")
-                             for ms, r, w, s, k in timings[:4])
+                             + ("t" if t else "") for ms, r, w, s, k, t in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
             if args.json:  # after every family: a call that runs out of time keeps the rows
                 atomic_write_json(Path(args.json), dict(meta=meta, rows=results))

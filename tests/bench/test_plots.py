@@ -27,8 +27,9 @@ RESULTS = BENCH / "results"
     (plot_host, "host-v11-h100-2026-11-25.json", []),
     (plot_train_step, "train-step-cuda-graph-h100-2026-11-25.json", []),
     (plot_tuning, "tuning-v25-h200-2026-11-28.json", []),
+    (plot_tuning, "tuning-v26-h200-2026-11-28.json", []),  # tiles transposed or not
 ], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step",
-        "tuning"])
+        "tuning", "tuning-transposed"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])
