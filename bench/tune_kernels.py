@@ -173,6 +173,8 @@ def main(argv=None):
                     default[family], **{k: v for k, v in shape.items() if k != "transposed"},
                     **({"transposed_min_group": 1 if shape["transposed"] else None}
                        if transposable else {}))
+                if transposable:  # as launched: groups not a power of two never are
+                    shape["transposed"] = launch_transposed(family, HQ // H, args.dim)
                 try:
                     ms = gpu_ms(fn, CALLS, KERNELS[family])
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
