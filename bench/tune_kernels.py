@@ -167,12 +167,11 @@ def main(argv=None):
                 shape = dict(rows=rows, num_warps=warps, num_stages=n_stages)
                 if keyed:
                     shape["keys"] = own_keys if keys is None else keys
+                tuning = dict(default[family], **shape)
                 if transposable:
-                    shape["transposed"] = own_transposed if transposed is None else transposed
-                TUNING[family] = NARROW_TUNING[family] = dict(
-                    default[family], **{k: v for k, v in shape.items() if k != "transposed"},
-                    **({"transposed_min_group": 1 if shape["transposed"] else None}
-                       if transposable else {}))
+                    wanted = own_transposed if transposed is None else transposed
+                    tuning["transposed_min_group"] = 1 if wanted else None
+                TUNING[family] = NARROW_TUNING[family] = tuning
                 if transposable:  # as launched: groups not a power of two never are
                     shape["transposed"] = launch_transposed(family, HQ // H, args.dim)
                 try:
