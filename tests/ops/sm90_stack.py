@@ -6,11 +6,11 @@ printed in bytes. Run in its own process, without TRITON_INTERPRET (under the in
                                                    "num_warps": 4, "num_stages": 1}'
     python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
 
-With ``--launches`` every launch is compiled; one line per launch (its stack and a digest of
-its machine code), then the exit status 1 if any failed to compile (each
-failure's error is printed). Two such listings of one launches file, before and after a change,
-show which launches compile differently: a refactor whose listing is unchanged needs no GPU
-run to re-measure (the launches of the test suite's interpreter run:
+With ``--launches`` every launch is compiled; one line per launch (its stack, a digest of
+its machine code and ptxas' performance-loss notes), then the exit status 1 if any failed to
+compile (each failure's error is printed). Two such listings of one launches file, before and
+after a change, show which launches compile differently: a refactor whose listing is unchanged
+needs no GPU run to re-measure (the launches of the test suite's interpreter run:
 ``TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE`` writes them).
 """
 
@@ -74,6 +74,20 @@ def _stack(kernel) -> int:
     return int(_cuobjdump(kernel, "-res-usage").split("STACK:")[1].split()[0])
 
 
+def ptxas_losses(kernel) -> list[str]:
+    """The codes of ptxas' "Potential Performance Loss" notes on the kernel (``-v``, sm_90a),
+    e.g. C7515: its wgmma instructions serialized, each waiting for the one before. ptxas runs
+    on the PTX afresh: a compile that Triton's cache served ran none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = pathlib.Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        notes = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
+                                str(ptx.with_suffix(".cubin"))],
+                               capture_output=True, text=True, check=True).stderr
+    return [re.search(r"\((C\d+)\)", line).group(1) for line in notes.splitlines()
+            if "Potential Performance Loss" in line]
+
+
 def sass_digest(kernel) -> str:
     """A digest of the kernel's machine code (SASS instructions, without their addresses and
     encodings). The PTX is not enough: its debug line numbers move whenever code above a
@@ -102,7 +116,9 @@ if __name__ == "__main__":
     for launch in json.loads(pathlib.Path(sys.argv[2]).read_text()):
         try:
             compiled = compile_launch(launch["kernel"], launch)
-            print(f"{launch['kernel']}: stack {_stack(compiled)} B, sass {sass_digest(compiled)}")
+            losses = ",".join(ptxas_losses(compiled)) or "none"
+            print(f"{launch['kernel']}: stack {_stack(compiled)} B, sass {sass_digest(compiled)}, "
+                  f"ptxas losses {losses}")
         except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
             failed += 1
             print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")

@@ -1,6 +1,8 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
 decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90), with its
-arguments specialized as a GPU launch specializes them (alignment, integers of 1).
+arguments specialized as a GPU launch specializes them (alignment, integers of 1), and keeps
+its tensor-core instructions pipelined (no ptxas note that it serialized them) but on the
+rare non-finite paths.
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
@@ -225,7 +227,17 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     result = run_offline("--launches", str(path), timeout=1200)
     failures = [line for line in result.stdout.splitlines() if "FAILED" in line]
     assert result.returncode == 0, (failures, result.stdout[-4000:], result.stderr[-2000:])
-    assert result.stdout.count(": stack ") == len(launches)
+    compiled = [line for line in result.stdout.splitlines() if ": stack " in line]
+    assert len(compiled) == len(launches)
+    # ptxas serializes every wgmma of a kernel (C7515: each waits for the one before) where
+    # code between a wgmma and its wait defines its accumulator registers; the kernels that
+    # branched between their finite and non-finite paths at run time were all so (bench/NOTES.md,
+    # twenty-fifth session). Only the non-finite launches (FINITE off: rare, kept exact) may be.
+    slowed = [(launch["kernel"], launch["constants"].get("FINITE"), line.rsplit(" ", 1)[1])
+              for launch, line in zip(launches, compiled, strict=True)
+              if not line.endswith("ptxas losses none")]
+    assert all(kernel.startswith("compressed_window.") and finite is False
+               for kernel, finite, _ in slowed), slowed
 
 
 if __name__ == "__main__":  # the launches, for `python -m tests.ops.sm90_stack --launches`

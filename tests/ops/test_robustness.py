@@ -218,10 +218,11 @@ def test_a_nan_in_one_batch_row_leaves_the_other_rows_path_and_results(mode, nam
                                                                         monkeypatch):
     """The compressed and window kernels take their partial tiles without the non-finite
     bookkeeping for each (batch row, KV head) whose keys and values (forward, dq) or whose
-    queries, output gradients and gates (dK/dV) are all finite (finite.py). A NaN in batch
-    row 1 sends row 1 through the bookkeeping in the same launch as row 0, whose outputs and
-    gradients stay bit for bit as when both rows are finite; with the dK/dV's tiles computed
-    either way (``transposed``: p^T and dS^T as [keys, rows])."""
+    queries, output gradients and gates (dK/dV) are all finite (finite.py; each kernel is
+    launched once per flag value). A NaN in batch row 1 sends row 1 through the bookkeeping
+    while row 0 takes the plain masks, its outputs and gradients bit for bit as when both rows
+    are finite; with the dK/dV's tiles computed either way (``transposed``: p^T and dS^T as
+    [keys, rows])."""
     transpose_dkdv_tiles(monkeypatch, transposed)
     x = branch_inputs(mode, 2, seed=5)
     clean = run_branch(mode, **x)

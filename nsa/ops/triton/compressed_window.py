@@ -14,6 +14,16 @@ Each kernel's loop runs in two parts: first the partial tiles, which hold a mask
 diagonal, the window's lower edge, sequence boundaries, the ends) and multiply finite parts
 only (common.py, Masks), then the full tiles, where every row sees every key, with the plain
 products.
+
+Each kernel is launched twice, FINITE on and off, each running the programs whose (batch row,
+KV head) flag equals FINITE and doing nothing elsewhere: the flags say whether the keys and
+values (forward, dq) or the queries, output gradients and gates (dK/dV) of a program are all
+finite (finite.py; nearly always all of them), and with FINITE the partial tiles take the
+plain masks, with no bookkeeping of non-finite values. One kernel that branched between the
+two ways at run time had its tensor-core instructions serialized by ptxas (C7515, "non wgmma
+instructions defining accumulator registers of a wgmma between start and end of the pipeline
+stage": each wgmma waited for the one before); the constant FINITE keeps the fast path free of
+it (bench/NOTES.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -157,35 +167,33 @@ def _branch_fwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, FINITE: tl.constexpr,
 ):
-    """O, LSE = this branch's output (float32) and log-sum-exp. KV_FINITE[b, h] (int8) is 1
-    when every key and value of the batch row and KV head is finite: the partial tiles then
-    take the plain masks, with no bookkeeping of non-finite values (module docstring)."""
-    b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
-    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    if tl.load(KV_FINITE + tl.program_id(1)) != 0:  # one call each way: PARTIAL is a constant
+    """O, LSE = this branch's output (float32) and log-sum-exp. Runs the programs whose
+    KV_FINITE flag equals FINITE (module docstring): KV_FINITE[b, h] (int8) is 1 when every key
+    and value of the batch row and KV head is finite, and the partial tiles then take the
+    plain masks, with no bookkeeping of non-finite values."""
+    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+        b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
+            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
+            CMP_STRIDE)
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
+                      BLOCK_DK)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
         m, l, acc = _partial_forward(
             q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2, DK, DV,
-            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, False)
-    else:
-        m, l, acc = _partial_forward(
-            q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2, DK, DV,
-            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, True)
-    for start in range(full_lo, full_hi, BLOCK_N):
-        k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
-                              stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                              BLOCK_N, TMA)
-        m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
-    store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
-               LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
-               BLOCK_DV)
+            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, not FINITE)
+        for start in range(full_lo, full_hi, BLOCK_N):
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, TMA)
+            m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
+        store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
+                   LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
+                   BLOCK_DV)
 
 
 @triton.jit
@@ -197,34 +205,31 @@ def _branch_bwd_dq_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
 ):
     """DQ_OUT = scale · Σ_s p (dp − delta) k_s, plus DQ_IN when ACCUMULATE (both laid out as Q:
-    the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype)."""
-    b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
-    q, do, gate, lse, delta = query_rows_tile(
-        Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
-        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
-    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-    if tl.load(KV_FINITE + tl.program_id(1)) != 0:  # as in the forward
+    the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype). Runs
+    the programs whose KV_FINITE flag equals FINITE, as the forward."""
+    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+        b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
+            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
+            CMP_STRIDE)
+        q, do, gate, lse, delta = query_rows_tile(
+            Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
+        acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
                           num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
                           stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                          IEEE, False)
-    else:
-        acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
-                          num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
-                          stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                          IEEE, True)
-    for start in range(full_lo, full_hi, BLOCK_N):
-        k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
-                              stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
-                              BLOCK_N, TMA)
-        acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
-    rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
-    accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
-                    BLOCK_DK, ACCUMULATE)
+                          IEEE, not FINITE)
+        for start in range(full_lo, full_hi, BLOCK_N):
+            k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt,
+                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
+                                  BLOCK_DV, BLOCK_N, TMA)
+            acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
+        rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
+        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
+                        BLOCK_DK, ACCUMULATE)
 
 
 @triton.jit
@@ -318,58 +323,56 @@ def _branch_bwd_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, TRANSPOSED: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, TRANSPOSED: tl.constexpr, FINITE: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
-    positions (program axis 2) that can see them; segments write separate partials.
-    QUERY_FINITE[b, h] (int8) is 1 when the q, do and gates of every query row of KV head h
-    are finite: the partial tiles then take the plain masks (dS masked too: a row's delta may
-    not be finite), with no bookkeeping of non-finite values."""
+    positions (program axis 2) that can see them; segments write separate partials. Runs the
+    programs whose QUERY_FINITE flag equals FINITE (module docstring): QUERY_FINITE[b, h]
+    (int8) is 1 when the q, do and gates of every query row of KV head h are finite, and the
+    partial tiles then take the plain masks (dS masked too: a row's delta may not be finite),
+    with no bookkeeping of non-finite values."""
     P: tl.constexpr = BLOCK_R // G
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    seg = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s64 = s.to(tl.int64)
-    k_ok = s < NK
-    k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
-    v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-    # Key s is seen by the queries [key_t_lo[s], key_t_hi[s]), both bounds non-decreasing in s:
-    # some key of the tile by [key_t_lo[first], key_t_hi[last]), every key (full query tiles)
-    # by [key_t_lo[last], key_t_hi[first]).
-    first = pid_n * BLOCK_N
-    last = tl.minimum(first + BLOCK_N, NK) - 1
-    t_lo = tl.maximum(tl.load(key_t_lo + first), seg * SEGMENT)
-    t_hi = tl.minimum(tl.load(key_t_hi + last), seg * SEGMENT + SEGMENT)
-    full_lo, full_hi, num_partial = split_tiles(t_lo, t_hi, tl.load(key_t_lo + last),
-                                                tl.load(key_t_hi + first), P)
-    acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
-    acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    if tl.load(QUERY_FINITE + pid_bh) != 0:  # one call each way: PARTIAL is a constant
+    if (tl.load(QUERY_FINITE + tl.program_id(1)) != 0) == FINITE:
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        seg = tl.program_id(2)
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        s64 = s.to(tl.int64)
+        k_ok = s < NK
+        k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK,
+                      BLOCK_DK)
+        v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV,
+                      BLOCK_DV)
+        # Key s is seen by the queries [key_t_lo[s], key_t_hi[s]), both bounds non-decreasing
+        # in s: some key of the tile by [key_t_lo[first], key_t_hi[last]), every key (full
+        # query tiles) by [key_t_lo[last], key_t_hi[first]).
+        first = pid_n * BLOCK_N
+        last = tl.minimum(first + BLOCK_N, NK) - 1
+        t_lo = tl.maximum(tl.load(key_t_lo + first), seg * SEGMENT)
+        t_hi = tl.minimum(tl.load(key_t_hi + last), seg * SEGMENT + SEGMENT)
+        full_lo, full_hi, num_partial = split_tiles(t_lo, t_hi, tl.load(key_t_lo + last),
+                                                    tl.load(key_t_hi + first), P)
+        acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+        acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         acc_k, acc_v = _partial_dkdv(
             k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
             LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
-            stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
-            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, False, TRANSPOSED)
-    else:
-        acc_k, acc_v = _partial_dkdv(
-            k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
-            LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
-            stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
-            BLOCK_DV, BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, True, TRANSPOSED)
-    for t_start in range(full_lo, full_hi, P):
-        q, do, gate, lse, delta = _full_query_tile(
-            t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
-            BLOCK_DV, BLOCK_R, TMA)
-        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v, scale_log2,
-                                 IEEE, False, False, TRANSPOSED=TRANSPOSED)
-    dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
-    dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
-    store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
-    store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)
+            stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV,
+            BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, not FINITE, TRANSPOSED)
+        for t_start in range(full_lo, full_hi, P):
+            q, do, gate, lse, delta = _full_query_tile(
+                t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt,
+                stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
+                BLOCK_DK, BLOCK_DV, BLOCK_R, TMA)
+            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
+                                     scale_log2, IEEE, False, False, TRANSPOSED=TRANSPOSED)
+        dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
+        dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
+        store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK,
+                   BLOCK_DK)
+        store_tile(dv_out + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV, BLOCK_DV)
 
 
 # Launch wrappers -------------------------------------------------------------------------
@@ -396,14 +399,16 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
     grid = (cdiv(T, R // G), B * H)
-    _branch_fwd_kernel[grid](
-        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
-        *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
-        T, k.shape[1], H, scale * LOG2E,
-        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
-        MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
-    )
+    for finite_path in (True, False):  # each launch runs the programs of its flag
+        _branch_fwd_kernel[grid](
+            q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
+            *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
+            T, k.shape[1], H, scale * LOG2E,
+            G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
+            MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+            CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma,
+            FINITE=finite_path, **launch,
+        )
     return o, lse
 
 
@@ -424,12 +429,14 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
     N = launch_keys(family, max(Dk, Dv), q.element_size())
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
-    _branch_bwd_dq_kernel[(cdiv(T, R // G), B * H)](
-        q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
-        tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
-        scale * LOG2E, scale,
-        BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
-    )
+    for finite_path in (True, False):
+        _branch_bwd_dq_kernel[(cdiv(T, R // G), B * H)](
+            q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
+            tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
+            scale * LOG2E, scale,
+            BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, FINITE=finite_path, **meta,
+            **launch,
+        )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
@@ -446,12 +453,13 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     if NK:
         R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
-        _branch_bwd_dkdv_kernel[(cdiv(NK, N), B * H, segments)](
-            q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
-            tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
-            *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
-            TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()), **meta,
-            **launch,
-        )
+        transposed = launch_transposed(family, G, max(Dk, Dv), q.element_size())
+        for finite_path in (True, False):
+            _branch_bwd_dkdv_kernel[(cdiv(NK, N), B * H, segments)](
+                q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
+                tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides,
+                *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H,
+                segment, scale * LOG2E, scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
+                TRANSPOSED=transposed, FINITE=finite_path, **meta, **launch,
+            )
     return sum_segments(dk, dv, k, v)
