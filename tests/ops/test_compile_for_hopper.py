@@ -232,11 +232,14 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     # ptxas serializes every wgmma of a kernel (C7515: each waits for the one before) where
     # code between a wgmma and its wait defines its accumulator registers; the kernels that
     # branched between their finite and non-finite paths at run time were all so (bench/NOTES.md,
-    # twenty-fifth session). Only the non-finite launches (FINITE off: rare, kept exact) may be.
+    # twenty-fifth session). Only the non-finite launches (FINITE off: rare, kept exact) may be,
+    # and the masked dK/dV, whose branch that skips the diagonal tiles no row selected causes
+    # it: without the branch it ran 1.6x slower on an H200 (twenty-sixth session).
     slowed = [(launch["kernel"], launch["constants"].get("FINITE"), line.rsplit(" ", 1)[1])
               for launch, line in zip(launches, compiled, strict=True)
               if not line.endswith("ptxas losses none")]
-    assert all(kernel.startswith("compressed_window.") and finite is False
+    assert all((kernel.startswith("compressed_window.") and finite is False)
+               or kernel == "selected_masked._masked_dkdv_kernel"
                for kernel, finite, _ in slowed), slowed
 
 

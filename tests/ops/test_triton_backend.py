@@ -351,14 +351,14 @@ def test_triton_matches_reference_at_other_key_tiles(keys, monkeypatch):
 def test_dkdv_tiles_are_transposed_for_power_of_two_groups_of_16_bit_tiles_only():
     from nsa.ops.triton.launch import TUNING, launch_transposed
 
-    least = TUNING["cmp_dkdv"]["transposed_min_group"]
-    assert launch_transposed("cmp_dkdv", 16, 128, 2)
-    assert launch_transposed("cmp_dkdv", least, 128, 2)
-    assert not launch_transposed("cmp_dkdv", least // 2, 128, 2)  # measured slower at G = 1
-    assert not launch_transposed("cmp_dkdv", 6, 128, 2)  # tiles of partial positions
-    assert not launch_transposed("cmp_dkdv", 16, 64, 2)  # narrow tiles: not measured
-    assert not launch_transposed("cmp_dkdv", 16, 128, 4)  # wide (float32) tiles
-    for family in ("win_dkdv", "selected_dkdv", "masked_dkdv"):
+    least = TUNING["win_dkdv"]["transposed_min_group"]
+    assert launch_transposed("win_dkdv", 16, 128, 2)
+    assert launch_transposed("win_dkdv", least, 128, 2)
+    assert not launch_transposed("win_dkdv", least // 2, 128, 2)  # measured slower at G = 1
+    assert not launch_transposed("win_dkdv", 6, 128, 2)  # tiles of partial positions
+    assert not launch_transposed("win_dkdv", 16, 64, 2)  # narrow tiles: not measured
+    assert not launch_transposed("win_dkdv", 16, 128, 4)  # wide (float32) tiles
+    for family in ("cmp_dkdv", "selected_dkdv", "masked_dkdv"):  # measured slower / no such
         assert not launch_transposed(family, 16, 128, 2)
 
 
@@ -373,9 +373,9 @@ def test_triton_matches_reference_with_transposed_dkdv_tiles(case, monkeypatch):
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
     from nsa.ops.triton.launch import TUNING, launch_shape
 
-    rows = TUNING["win_dkdv"]["rows"]
-    assert launch_shape("win_dkdv", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
+    rows = TUNING["win_dq"]["rows"]
+    assert launch_shape("win_dq", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
     # float32 counts as twice the head dim: the float32 GPU cases ran out of shared memory.
-    assert launch_shape("win_dkdv", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
-    assert launch_shape("win_dkdv", 6, 192, 4)[0] == rows // 4
-    assert launch_shape("win_dkdv", 64, 192, 4)[0] == 64  # never below the group
+    assert launch_shape("win_dq", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
+    assert launch_shape("win_dq", 6, 192, 4)[0] == rows // 4
+    assert launch_shape("win_dq", 64, 192, 4)[0] == 64  # never below the group

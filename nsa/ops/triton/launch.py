@@ -22,10 +22,12 @@ TUNING = {
     "cmp_dq": dict(rows=128, num_warps=8, num_stages=2, keys=128),
     "win_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64),
     # transposed_min_group: groups of at least this many heads, a power of two, compute p^T
-    # and dS^T as [keys, rows] (common.dkdv_tile; v26: the compressed dK/dV 4-10 % faster at
-    # G = 4-16, D = 128, but 1.10x slower at G = 1 and 1.19x at G = 6; the window's 1.3x).
-    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=4),
-    "win_dkdv": dict(rows=128, num_warps=8, num_stages=2, keys=64),
+    # and dS^T as [keys, rows] (common.dkdv_tile). v27, the kernels no longer serialized by
+    # ptxas (compressed_window.py): the window dK/dV at 64 rows / 4 warps 11-14 % faster than
+    # at 128 / 8 from 8k to 64k at G = 4-16 transposed, 24 % at G = 1 not; the compressed
+    # dK/dV transposed level at 64k, 7 % slower at G = 4 and 1.5x at 8k.
+    "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=None),
+    "win_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=4),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
     # per step; stages: the head loop's (the step loop is not pipelined), for groups of at
     # least staged_group heads (smaller groups lost more to the pipeline's prologue than it hid).
@@ -48,7 +50,7 @@ NARROW_TUNING = {
     "cmp_dq": dict(rows=64, num_warps=4, num_stages=3, keys=64),
     "win_dq": dict(rows=64, num_warps=4, num_stages=3),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
-    "win_dkdv": dict(rows=64, num_warps=4, num_stages=3),
+    "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
     "masked_dq": dict(rows=64, num_warps=4, num_stages=3),

@@ -304,22 +304,20 @@ def _masked_dkdv_kernel(
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # The rows that did not select the block load as padding rows (zeros, lse = +inf: p = 0),
-    # so a tile past the diagonal takes the plain products whichever rows selected it. The
-    # partial tiles (the diagonal) are computed even where no row selected the block (rare:
-    # a position's own block is among its local ones): a branch around their products had
-    # ptxas serialize every wgmma of the kernel (C7515; bench/NOTES.md, twenty-fifth session).
+    # so a tile past the diagonal takes the plain products whichever rows selected it.
     for i in range(0, num_partial):
         t = partial_tile(i, t_lo, full_lo, full_hi, P) + r // G
         rows_ok = (r < P * G) & (t < t_hi)
         chosen = ((_row_bits(BITS, b, h, t.to(tl.int64), rows_ok, stride_bb, stride_bt)
                    >> block) & 1) != 0
-        q, do, gate, lse, delta = query_rows_tile(
-            Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, chosen, stride_qb, stride_qt,
-            stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
-            BLOCK_DV)
-        valid = chosen[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
-                                 IEEE, True)
+        if tl.max(chosen.to(tl.int32), axis=0) > 0:
+            q, do, gate, lse, delta = query_rows_tile(
+                Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, chosen, stride_qb, stride_qt,
+                stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV,
+                BLOCK_DK, BLOCK_DV)
+            valid = chosen[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
+            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
+                                     scale_log2, IEEE, True)
     for t_start in range(full_lo, full_hi, P):
         t64 = (t_start + r // G).to(tl.int64)
         chosen = ((_row_bits(BITS, b, h, t64, r < P * G, stride_bb, stride_bt) >> block)
