@@ -2,7 +2,7 @@
 decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90), with its
 arguments specialized as a GPU launch specializes them (alignment, integers of 1), and keeps
 its tensor-core instructions pipelined (no ptxas note that it serialized them) but on the
-rare non-finite paths.
+rare non-finite paths and in the masked dK/dV (measured faster so).
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
