@@ -15,15 +15,15 @@ diagonal, the window's lower edge, sequence boundaries, the ends) and multiply f
 only (common.py, Masks), then the full tiles, where every row sees every key, with the plain
 products.
 
-Each kernel is launched twice, FINITE on and off, each running the programs whose (batch row,
-KV head) flag equals FINITE and doing nothing elsewhere: the flags say whether the keys and
-values (forward, dq) or the queries, output gradients and gates (dK/dV) of a program are all
-finite (finite.py; nearly always all of them), and with FINITE the partial tiles take the
-plain masks, with no bookkeeping of non-finite values. One kernel that branched between the
-two ways at run time had its tensor-core instructions serialized by ptxas (C7515, "non wgmma
-instructions defining accumulator registers of a wgmma between start and end of the pipeline
-stage": each wgmma waited for the one before); the constant FINITE keeps the fast path free of
-it (bench/NOTES.md, twenty-fifth session).
+Each kernel is launched twice, FINITE on and off (finite.launch_per_flag), each running the
+programs whose (batch row, KV head) flag equals FINITE and doing nothing elsewhere: the flags
+say whether the keys and values (forward, dq) or the queries, output gradients and gates
+(dK/dV) of a program are all finite (finite.py; nearly always all of them), and with FINITE the
+partial tiles take the plain masks, with no bookkeeping of non-finite values. One kernel that
+branched between the two ways at run time had its tensor-core instructions serialized by ptxas
+(C7515, "non wgmma instructions defining accumulator registers of a wgmma between start and end
+of the pipeline stage": each wgmma waited for the one before); the constant FINITE keeps the
+fast path free of it (bench/NOTES.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from nsa.ops.triton.common import (
     store_rows,
     store_tile,
 )
+from nsa.ops.triton.finite import launch_per_flag
 from nsa.ops.triton.launch import (
     BranchGrad,
     cdiv,
@@ -399,16 +400,15 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
     grid = (cdiv(T, R // G), B * H)
-    for finite_path in (True, False):  # each launch runs the programs of its flag
-        _branch_fwd_kernel[grid](
-            q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
-            *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
-            T, k.shape[1], H, scale * LOG2E,
-            G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
-            MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-            CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma,
-            FINITE=finite_path, **launch,
-        )
+    launch_per_flag(
+        _branch_fwd_kernel, grid,
+        q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
+        *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
+        T, k.shape[1], H, scale * LOG2E,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
+        MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
+    )
     return o, lse
 
 
@@ -429,14 +429,13 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
     N = launch_keys(family, max(Dk, Dv), q.element_size())
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
-    for finite_path in (True, False):
-        _branch_bwd_dq_kernel[(cdiv(T, R // G), B * H)](
-            q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
-            tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
-            scale * LOG2E, scale,
-            BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, FINITE=finite_path, **meta,
-            **launch,
-        )
+    launch_per_flag(
+        _branch_bwd_dq_kernel, (cdiv(T, R // G), B * H),
+        q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
+        tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
+        scale * LOG2E, scale,
+        BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
+    )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
@@ -453,13 +452,13 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     if NK:
         R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
         qd, dod, tma = _query_descriptors(q, do, G, R)
-        transposed = launch_transposed(family, G, max(Dk, Dv), q.element_size())
-        for finite_path in (True, False):
-            _branch_bwd_dkdv_kernel[(cdiv(NK, N), B * H, segments)](
-                q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
-                tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides,
-                *dk.stride()[1:4], *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H,
-                segment, scale * LOG2E, scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
-                TRANSPOSED=transposed, FINITE=finite_path, **meta, **launch,
-            )
+        launch_per_flag(
+            _branch_bwd_dkdv_kernel, (cdiv(NK, N), B * H, segments),
+            q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
+            tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
+            *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
+            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
+            TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()), **meta,
+            **launch,
+        )
     return sum_segments(dk, dv, k, v)

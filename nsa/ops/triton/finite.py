@@ -59,6 +59,17 @@ def _kv_finite_kernel(
         tl.store(FINITE + i * tl.num_programs(0) + pid, tl.zeros([], tl.int8))
 
 
+def launch_per_flag(kernel, grid, *args, **kwargs):
+    """Launch a kernel once per value of its FINITE constant, the kernel running only the
+    programs whose (batch row, KV head) flag, FLAGS[program_id(1)], equals it (its body under
+    ``if (tl.load(FLAGS + tl.program_id(1)) != 0) == FINITE``) and returning at once elsewhere.
+    With FINITE a constant the finite path has no run-time branch to the bookkeeping one: in
+    one kernel that branched between them, ptxas serialized every wgmma (C7515;
+    bench/NOTES.md, twenty-fifth session)."""
+    for finite in (True, False):
+        kernel[grid](*args, FINITE=finite, **kwargs)
+
+
 def kv_finite_flags(pairs) -> torch.Tensor:
     """[len(pairs), B, H] int8: flags[i, b, h] is 1 where every key and value of the i-th
     (k, v) pair of ``pairs`` (1 to 3 pairs, e.g. the compressed, selected and window

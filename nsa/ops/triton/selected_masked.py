@@ -58,6 +58,7 @@ from nsa.ops.triton.common import (
     split_tiles,
     store_tile,
 )
+from nsa.ops.triton.finite import launch_per_flag
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
 from nsa.ops.triton.launch import (
     BranchGrad,
@@ -390,12 +391,12 @@ def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     grid, meta, kd, vd = _launch("masked_fwd", q, k, v, params)
     bits, finite = selection
-    for finite_path in (True, False):
-        _masked_fwd_kernel[grid](
-            q, k, v, kd, vd, bits, finite, o, lse, *strides(q), *strides(k), *strides(v),
-            *strides(bits, 2), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
-            **gated_sum_args(gated, o), FINITE=finite_path, **meta,
-        )
+    launch_per_flag(
+        _masked_fwd_kernel, grid,
+        q, k, v, kd, vd, bits, finite, o, lse, *strides(q), *strides(k), *strides(v),
+        *strides(bits, 2), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
+        **gated_sum_args(gated, o), **meta,
+    )
     return o, lse
 
 
@@ -405,13 +406,13 @@ def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
     ``accumulate``."""
     grid, meta, kd, vd = _launch("masked_dq", q, k, v, params)
     bits, finite = selection
-    for finite_path in (True, False):
-        _masked_dq_kernel[grid](
-            q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
-            dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
-            *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
-            scale * LOG2E, scale, ACCUMULATE=accumulate, FINITE=finite_path, **meta,
-        )
+    launch_per_flag(
+        _masked_dq_kernel, grid,
+        q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
+        dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
+        *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
+        scale * LOG2E, scale, ACCUMULATE=accumulate, **meta,
+    )
 
 
 def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
