@@ -30,6 +30,7 @@ from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
 from nsa.ops.triton.launch import (
     NARROW_TUNING,
+    TRANSPOSABLE,
     TUNING,
     BranchGrad,
     launch_keys,
@@ -58,7 +59,6 @@ KERNELS = {  # family -> the name of the kernel it tunes (a call may launch othe
     "selected_dkdv": "_selected_bwd_dkdv_kernel", "masked_dq": "_masked_dq_kernel",
     "masked_dkdv": "_masked_dkdv_kernel",
 }
-TRANSPOSABLE = ("cmp_dkdv", "win_dkdv")  # families whose tiles can be computed transposed
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 
 

@@ -266,10 +266,10 @@ def assert_selection_valid(
 def transpose_dkdv_tiles(monkeypatch, transposed: bool):
     """The compressed and window dK/dV compute their tiles transposed for every group size and
     head dim (``transposed``) or for none."""
-    from nsa.ops.triton.launch import NARROW_TUNING, TUNING
+    from nsa.ops.triton.launch import NARROW_TUNING, TRANSPOSABLE, TUNING
 
     least = 1 if transposed else None
-    for family in ("cmp_dkdv", "win_dkdv"):
+    for family in TRANSPOSABLE:
         monkeypatch.setitem(TUNING, family, dict(TUNING[family], transposed_min_group=least))
         monkeypatch.setitem(NARROW_TUNING, family,
                             dict(NARROW_TUNING[family], transposed_min_group=least))

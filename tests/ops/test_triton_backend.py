@@ -354,7 +354,7 @@ def test_dkdv_tiles_are_transposed_for_power_of_two_groups_of_16_bit_tiles_only(
     least = TUNING["win_dkdv"]["transposed_min_group"]
     assert launch_transposed("win_dkdv", 16, 128, 2)
     assert launch_transposed("win_dkdv", least, 128, 2)
-    assert not launch_transposed("win_dkdv", least // 2, 128, 2)  # measured slower at G = 1
+    assert not launch_transposed("win_dkdv", least // 2, 128, 2)  # G = 2 unmeasured, G = 1 slower
     assert not launch_transposed("win_dkdv", 6, 128, 2)  # tiles of partial positions
     assert not launch_transposed("win_dkdv", 16, 64, 2)  # narrow tiles: not measured
     assert not launch_transposed("win_dkdv", 16, 128, 4)  # wide (float32) tiles

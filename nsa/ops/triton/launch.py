@@ -23,7 +23,7 @@ TUNING = {
     "win_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64),
     # transposed_min_group: groups of at least this many heads, a power of two, compute p^T
     # and dS^T as [keys, rows] (common.dkdv_tile). v27, the kernels no longer serialized by
-    # ptxas (compressed_window.py): the window dK/dV at 64 rows / 4 warps 11-14 % faster than
+    # ptxas (compressed_window.py): the window dK/dV at 64 rows / 4 warps 10-14 % faster than
     # at 128 / 8 from 8k to 64k at G = 4-16 transposed, 24 % at G = 1 not; the compressed
     # dK/dV transposed level at 64k, 7 % slower at G = 4 and 1.5x at 8k.
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=None),
@@ -140,6 +140,10 @@ def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
     width = tile_width(head_dim, element_size)
     keys = _tuning(kind, width)["keys"]
     return keys if width <= 128 else min(keys, KEYS_WIDE)
+
+
+# The dK/dV families whose tiles can be computed transposed (launch_transposed).
+TRANSPOSABLE = tuple(kind for kind, tuning in TUNING.items() if "transposed_min_group" in tuning)
 
 
 def launch_transposed(kind: str, G: int, head_dim: int, element_size: int = 2) -> bool:
