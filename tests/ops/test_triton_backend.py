@@ -36,6 +36,9 @@ CASES = [
     (1, 40, 4, 4, 16, 16, [0, 5, 6, 23, 40], SMALL),  # G = 1, varlen, a length-1 sequence
     (1, 70, 16, 1, 16, 16, None, dict(SMALL, num_selected=4, num_init=0, num_local=1)),  # G=16
     (1, 3, 2, 1, 16, 16, None, SMALL),  # T < cmp_block
+    # Dk = 128: wide float32 tiles, their rows and keys shrunk (launch.FLOAT32_SHRINK; the
+    # masked selected kernels then take half a selection block a step)
+    (1, 200, 4, 2, 128, 64, None, dict(SMALL, sel_block=64)),
     # l' = 16: whole selection blocks load through tensor descriptors (TMA), G = 4
     (1, 75, 8, 2, 16, 32, None, dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3,
                                      window=9)),
@@ -322,14 +325,22 @@ def test_host_arithmetic_equals_tritons():
 
 
 def test_key_tiles_are_tuned_for_16_bit_tiles_only():
-    from nsa.ops.triton.launch import KEYS_WIDE, NARROW_TUNING, TUNING, launch_keys
+    from nsa.ops.triton.launch import (
+        FLOAT32_SHRINK,
+        KEYS_WIDE,
+        NARROW_TUNING,
+        TUNING,
+        launch_keys,
+    )
 
     assert launch_keys("cmp_dq", 128, 2) == TUNING["cmp_dq"]["keys"]
     assert launch_keys("cmp_dq", 64, 2) == NARROW_TUNING["cmp_dq"]["keys"]
     assert launch_keys("cmp_fwd", 64, 2) == TUNING["cmp_fwd"]["keys"]  # no narrow entry
-    # float32 counts as twice the head dim: wide tiles take at most KEYS_WIDE keys.
-    assert launch_keys("cmp_dq", 128, 4) == min(TUNING["cmp_dq"]["keys"], KEYS_WIDE)
-    assert launch_keys("win_fwd", 192, 2) <= KEYS_WIDE
+    # Wide tiles take at most KEYS_WIDE keys, wide float32 ones (float32 counts as twice the
+    # head dim) 1 / FLOAT32_SHRINK of that; float32 tiles of width <= 128 their tuned keys.
+    assert launch_keys("win_fwd", 192, 2) == min(TUNING["win_fwd"]["keys"], KEYS_WIDE)
+    assert launch_keys("cmp_dq", 128, 4) == KEYS_WIDE // FLOAT32_SHRINK
+    assert launch_keys("cmp_dq", 64, 4) == TUNING["cmp_dq"]["keys"]
 
 
 @pytest.mark.parametrize("keys", [16, 128])
@@ -375,7 +386,9 @@ def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
 
     rows = TUNING["win_dq"]["rows"]
     assert launch_shape("win_dq", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
-    # float32 counts as twice the head dim: the float32 GPU cases ran out of shared memory.
-    assert launch_shape("win_dq", 2, 128, 4) == (rows // 2, dict(num_warps=8, num_stages=1))
-    assert launch_shape("win_dq", 6, 192, 4)[0] == rows // 4
+    # float32 counts as twice the head dim (the float32 GPU cases ran out of shared memory),
+    # and its wide tiles halve their rows once more (FLOAT32_SHRINK: spills of the products).
+    assert launch_shape("win_dq", 2, 64, 4) == launch_shape("win_dq", 2, 128, 2)  # width 128
+    assert launch_shape("win_dq", 2, 128, 4) == (rows // 4, dict(num_warps=8, num_stages=1))
+    assert launch_shape("win_dq", 6, 192, 4)[0] == rows // 8
     assert launch_shape("win_dq", 64, 192, 4)[0] == 64  # never below the group

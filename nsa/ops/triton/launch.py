@@ -122,24 +122,41 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     The tuned shapes are for 16-bit tiles of head dim <= 128, with NARROW_TUNING's for head
     dims <= 64 where it has the family. Wider tiles (a larger head dim,
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
-    drop software pipelining so the tiles fit in shared memory."""
+    drop software pipelining so the tiles fit in shared memory; wide float32 tiles halve them
+    once more (FLOAT32_SHRINK)."""
     width = tile_width(head_dim, element_size)
     tuning = _tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
     if width > 128:
         rows, stages = max(16, rows * 128 // width), 1
+        if element_size == 4:
+            rows = max(16, rows // FLOAT32_SHRINK)
     return max(rows, pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
 
 
 KEYS_WIDE = 64  # keys of a tile of the compressed and window kernels for wide tiles
+# Wide float32 tiles (head dims above 64) take 1/FLOAT32_SHRINK of the rows and keys of 16-bit
+# tiles of the same width: their products (exact float32, no tensor cores) hold both operands
+# in registers, and at 64 x 64 x 128 each launch spilled 10-100 KB and compiled for 8-37 s
+# (offline sm_90, bench/NOTES.md, twenty-seventh session).
+FLOAT32_SHRINK = 2
+
+
+def wide_keys(head_dim: int, element_size: int = 2) -> int | None:
+    """The most keys of a tile of this head dim and element size: no limit (None) for tiles
+    of width <= 128, KEYS_WIDE for wider ones (shared memory), fewer for wide float32 ones
+    (FLOAT32_SHRINK)."""
+    if tile_width(head_dim, element_size) <= 128:
+        return None
+    return KEYS_WIDE // (FLOAT32_SHRINK if element_size == 4 else 1)
 
 
 def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
-    """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys`` for
-    16-bit tiles of head dim <= 128, at most KEYS_WIDE for wider ones (shared memory)."""
-    width = tile_width(head_dim, element_size)
-    keys = _tuning(kind, width)["keys"]
-    return keys if width <= 128 else min(keys, KEYS_WIDE)
+    """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys``, at
+    most ``wide_keys``."""
+    keys = _tuning(kind, tile_width(head_dim, element_size))["keys"]
+    limit = wide_keys(head_dim, element_size)
+    return keys if limit is None else min(keys, limit)
 
 
 # The dK/dV families whose tiles can be computed transposed (launch_transposed).

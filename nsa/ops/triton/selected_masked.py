@@ -6,7 +6,8 @@ blocks before it, so the branch is nearly causal attention; the per-position ker
 ``selected.py`` (one program per position and KV head, G rows) run it at ~50 TFLOP/s where
 causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x G heads of one
 KV head (as in ``compressed_window.py``) and the keys are the causal range in tiles of
-``BLOCK_N = min(64, l')`` tokens, aligned to selection blocks: whether a row selected a tile's
+``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned
+to selection blocks: whether a row selected a tile's
 block is one bit of its row mask (the OR of 1 << block over its slots, ``masked_selection``,
 one word per (batch, position, KV head) computed once per call; at most 64 blocks). A
 tile every valid row selected takes the plain products (keys through TMA where the layout
@@ -71,6 +72,7 @@ from nsa.ops.triton.launch import (
     shapes,
     strides,
     sum_segments,
+    wide_keys,
 )
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
@@ -343,7 +345,9 @@ def _meta(kind: str, q, k, v, params: NSAParams) -> dict:
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     R, launch = launch_shape(kind, G, max(Dk, Dv), q.element_size())
     return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R,
-                BLOCK_N=min(MAX_TILE, params.sel_block), SEL_BLOCK=params.sel_block,
+                BLOCK_N=min(MAX_TILE, params.sel_block,
+                            wide_keys(max(Dk, Dv), q.element_size()) or MAX_TILE),
+                SEL_BLOCK=params.sel_block,
                 IEEE=q.dtype == torch.float32, **launch)
 
 
