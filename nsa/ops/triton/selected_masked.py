@@ -6,10 +6,10 @@ blocks before it, so the branch is nearly causal attention; the per-position ker
 ``selected.py`` (one program per position and KV head, G rows) run it at ~50 TFLOP/s where
 causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x G heads of one
 KV head (as in ``compressed_window.py``) and the keys are the causal range in tiles of
-``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned
-to selection blocks: whether a row selected a tile's
-block is one bit of its row mask (the OR of 1 << block over its slots, ``masked_selection``,
-one word per (batch, position, KV head) computed once per call; at most 64 blocks). A
+``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned to
+selection blocks: whether a row selected a tile's block is one bit of its row mask (the OR of
+1 << block over its slots, ``masked_selection``, one word per (batch, position, KV head)
+computed once per call; at most 64 blocks). A
 tile every valid row selected takes the plain products (keys through TMA where the layout
 allows), a tile some rows selected is masked per row and multiplies finite parts only
 (common.py, Masks), a tile no row selected is skipped, and the tiles on the diagonal are
