@@ -7,11 +7,12 @@ printed in bytes. Run in its own process, without TRITON_INTERPRET (under the in
     python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
 
 With ``--launches`` every launch is compiled; one line per launch (its stack, a digest of
-its machine code and ptxas' performance-loss notes), then the exit status 1 if any failed to
-compile (each failure's error is printed). Two such listings of one launches file, before and
-after a change, show which launches compile differently: a refactor whose listing is unchanged
-needs no GPU run to re-measure (the launches of the test suite's interpreter run:
-``TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE`` writes them).
+its machine code, ``copy_races`` and ptxas' performance-loss notes), then the exit status 1 if
+any failed to compile (each failure's error is printed). Two such listings of one launches
+file, before and after a change, show which launches compile differently: a refactor whose
+listing is unchanged needs no GPU run to re-measure (the launches of the test suite's
+interpreter run: ``TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE``
+writes them).
 """
 
 import hashlib
@@ -100,6 +101,83 @@ def sass_digest(kernel) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+_RING = re.compile(r"(%[\w#-]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x")
+_CONSTANT = re.compile(r"(%[\w#-]+) = arith\.constant (-?\d+) : i32")
+_VIEW = re.compile(r"(%[\w#-]+) = ttg\.memdesc_(?:index (%[\w#-]+)\[(%[\w#-]+)\]|reshape (%[\w#-]+)"
+                   r"|trans (%[\w#-]+))")
+_WRAP = re.compile(r"(%[\w#-]+) = arith\.select %[\w#-]+, %c0_i32, (%[\w#-]+) ")
+_STEP = re.compile(r"(%[\w#-]+) = arith\.addi (%[\w#-]+), %c1_i32 ")
+_COPY = re.compile(r"(?:ttng\.async_tma_copy_global_to_local %[\w#-]+\[[^\]]*\] (%[\w#-]+)"
+                   r"|ttg\.async_copy_global_to_local %[\w#-]+, (%[\w#-]+)"
+                   r"|ttg\.local_store %[\w#-]+, (%[\w#-]+))")
+_WGMMA = re.compile(r"ttng\.warp_group_dot (%[\w#-]+), (%[\w#-]+), .*isAsync = true")
+_WAIT = re.compile(r"ttng\.warp_group_dot_wait .*pendings = (\d+)")
+
+
+def _loops(ttgir: str):
+    """(iter_args header, body lines) of every scf.for in the TTGIR, nested ones included."""
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if " scf.for " not in line:
+            continue
+        depth, body = line.count("{") - line.count("}"), []
+        for inner in lines[i + 1:]:
+            depth += inner.count("{") - inner.count("}")
+            if depth <= 0:
+                break
+            body.append(inner)
+        yield line, body
+
+
+def copy_races(ttgir: str) -> int:
+    """How many copies into shared memory (TMA, cp.async or a store) in the loops of a
+    compiled kernel (its TTGIR) may overwrite a buffer that an asynchronous wgmma, issued
+    before and not yet waited for, still reads. Triton 3.6's pipeliner puts each loaded
+    operand in a ring of buffers, slot (i + 1 + j) mod n in iteration j (i: the slot
+    counter's initial value); a copy's slot equal to that of an outstanding wgmma's operand is
+    the race of upstream triton-lang/triton#8139 (v27's compressed/window dK/dV: its TMA ring
+    had as many buffers as tiles loaded ahead; bench/NOTES.md, twenty-eighth session). Each
+    loop is followed over n + 1 iterations, the wgmmas left outstanding at its end carried into
+    the next; an operand slot that is not such a counter or a constant counts as any slot."""
+    rings = {name: int(n) for name, n in _RING.findall(ttgir)}
+    constants = {name: int(value) for name, value in _CONSTANT.findall(ttgir)}
+    races = set()
+    for header, body in _loops(ttgir):
+        initial = dict(re.findall(r"(%[\w#-]+) = (%[\w#-]+)", header.split("iter_args(")[-1]))
+        steps = dict(_STEP.findall("\n".join(body)))
+        counters = {}  # slot counter -> its value before the first iteration
+        for wrapped, stepped in _WRAP.findall("\n".join(body)):
+            start = constants.get(initial.get(steps.get(stepped, ""), ""))
+            if start is not None:
+                counters[wrapped] = start + 1
+        n_max = max([rings[r] for r in rings] or [1])
+        outstanding = []  # per unwaited wgmma: its operands' (ring, slot counter or index)
+        for j in range(n_max + 1):
+            buffers = {}  # value -> (ring, slot in this iteration, or None: any)
+            for number, line in enumerate(body):
+                if view := _VIEW.search(line):
+                    name, ring, index, reshaped, transposed = view.groups()
+                    if ring is not None and ring in rings:
+                        n = rings[ring]
+                        slot = (counters[index] + j) % n if index in counters else (
+                            constants[index] % n if index in constants else None)
+                        buffers[name] = (ring, slot)
+                    elif (reshaped or transposed) in buffers:
+                        buffers[name] = buffers[reshaped or transposed]
+                elif wgmma := _WGMMA.search(line):
+                    outstanding.append([buffers[v] for v in wgmma.groups() if v in buffers])
+                elif wait := _WAIT.search(line):
+                    pending = int(wait.group(1))
+                    outstanding = outstanding[len(outstanding) - pending:] if pending else []
+                elif copy := _COPY.search(line):
+                    target = buffers.get(next(v for v in copy.groups() if v))
+                    if target and any(ring == target[0] and None in (slot, target[1])
+                                      or (ring, slot) == target
+                                      for reads in outstanding for ring, slot in reads):
+                        races.add((header, number))
+    return len(races)
+
+
 def compile_launch(kernel: str, launch: dict):
     """nsa.ops.triton.``kernel`` ("module.name") compiled for ``launch``."""
     module_name, kernel_name = kernel.rsplit(".", 1)
@@ -118,7 +196,7 @@ if __name__ == "__main__":
             compiled = compile_launch(launch["kernel"], launch)
             losses = ",".join(ptxas_losses(compiled)) or "none"
             print(f"{launch['kernel']}: stack {_stack(compiled)} B, sass {sass_digest(compiled)}, "
-                  f"ptxas losses {losses}")
+                  f"copy races {copy_races(compiled.asm['ttgir'])}, ptxas losses {losses}")
         except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
             failed += 1
             print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")

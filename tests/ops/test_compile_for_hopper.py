@@ -1,8 +1,10 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
 decode step, the cache append and RoPE make in a CPU run compiles for Hopper (sm_90), with its
-arguments specialized as a GPU launch specializes them (alignment, integers of 1), and keeps
-its tensor-core instructions pipelined (no ptxas note that it serialized them) but on the
-rare non-finite paths and in the masked dK/dV (measured faster so).
+arguments specialized as a GPU launch specializes them (alignment, integers of 1), keeps its
+tensor-core instructions pipelined (no ptxas note that it serialized them) but on the rare
+non-finite paths and in the masked dK/dV (measured faster so), and copies nothing into a shared
+buffer that an unfinished asynchronous tensor-core product still reads
+(``sm90_stack.copy_races``).
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
@@ -229,6 +231,11 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     assert result.returncode == 0, (failures, result.stdout[-4000:], result.stderr[-2000:])
     compiled = [line for line in result.stdout.splitlines() if ": stack " in line]
     assert len(compiled) == len(launches)
+    # No copy over a buffer that an unwaited asynchronous wgmma reads: v27's compressed/window
+    # dK/dV had two per launch (q's and do's TMA rings), and its gradients differed from run
+    # to run on an H200 (bench/NOTES.md, twenty-eighth session).
+    racing = [line for line in compiled if "copy races 0," not in line]
+    assert not racing, racing
     # ptxas serializes every wgmma of a kernel (C7515: each waits for the one before) where
     # code between a wgmma and its wait defines its accumulator registers; the kernels that
     # branched between their finite and non-finite paths at run time were all so (bench/NOTES.md,

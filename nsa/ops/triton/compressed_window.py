@@ -261,28 +261,22 @@ def _query_tile(t_start, t_hi, s, k_ok, Q, DO, GATE, LSE, DELTA, tok_pos, tok_cm
 
 
 @triton.jit
-def _full_query_tile(t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt,
-                     stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-                     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                     TMA: tl.constexpr):
+def _full_query_tile(t_start, Q, DO, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
+                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr):
     """q, do, gate, lse, delta of the P positions from t_start x G heads in a full query tile (each
-    of them sees every key of the tile): with TMA one tensor-descriptor load each of q and do
-    (QD, DOD: [B, T, HQ, D] descriptors of P positions x G heads; P · G == BLOCK_R)."""
+    of them sees every key of the tile). q and do come by pointer loads: through tensor
+    descriptors, Triton 3.6 pipelined them into a ring of as many buffers as tiles it loads
+    ahead, and the next tile's copy landed in the buffer that dK's and dV's asynchronous
+    products were still reading (bench/NOTES.md, twenty-eighth session)."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
     t64 = (t_start + r // G).to(tl.int64)
     hq = h * G + r % G
     row_ok = r < P * G
-    if TMA:
-        where = [b.to(tl.int32), t_start, h * G, 0]
-        q = QD.load(where).reshape(BLOCK_R, BLOCK_DK)
-        do = DOD.load(where).reshape(BLOCK_R, BLOCK_DV)
-    else:
-        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
-                      BLOCK_DK)
-        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
-                       BLOCK_DV)
+    q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
+    do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV, BLOCK_DV)
     lse_rows = b * stride_lb + t64 * stride_lt + hq
     gate = tl.load(GATE + lse_rows, mask=row_ok, other=0.0)
     lse = tl.load(LSE + lse_rows, mask=row_ok, other=float("inf"))
@@ -315,7 +309,7 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
 
 @triton.jit
 def _branch_bwd_dkdv_kernel(
-    Q, K, V, DO, QD, DOD, GATE, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo,
+    Q, K, V, DO, GATE, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo,
     key_t_hi, QUERY_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -324,7 +318,7 @@ def _branch_bwd_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, TRANSPOSED: tl.constexpr, FINITE: tl.constexpr,
+    IEEE: tl.constexpr, TRANSPOSED: tl.constexpr, FINITE: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
     positions (program axis 2) that can see them; segments write separate partials. Runs the
@@ -364,9 +358,9 @@ def _branch_bwd_dkdv_kernel(
             BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, not FINITE, TRANSPOSED)
         for t_start in range(full_lo, full_hi, P):
             q, do, gate, lse, delta = _full_query_tile(
-                t_start, Q, DO, QD, DOD, GATE, LSE, DELTA, b, h, stride_qb, stride_qt,
-                stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV,
-                BLOCK_DK, BLOCK_DV, BLOCK_R, TMA)
+                t_start, Q, DO, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
+                stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
+                BLOCK_DV, BLOCK_R)
             acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
                                      scale_log2, IEEE, False, False, TRANSPOSED=TRANSPOSED)
         dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
@@ -377,15 +371,6 @@ def _branch_bwd_dkdv_kernel(
 
 
 # Launch wrappers -------------------------------------------------------------------------
-
-
-def _query_descriptors(q, do, G: int, rows: int):
-    """(QD, DOD, TMA): [B, T, HQ, D] descriptors of the rows / G positions x G heads of a full
-    query tile of dK/dV, where the rows are whole positions (G a power of two) and TMA can read
-    q and do (else (q, do, False): pointer loads)."""
-    if rows % G:
-        return q, do, False
-    return descriptor_pair(q, do, [1, rows // G, G])
 
 
 def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
@@ -451,13 +436,12 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
         t_lo, t_hi = tables.tok_index, tables.tok_t_hi
     if NK:
         R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
-        qd, dod, tma = _query_descriptors(q, do, G, R)
         launch_per_flag(
             _branch_bwd_dkdv_kernel, (cdiv(NK, N), B * H, segments),
-            q, k, v, do, qd, dod, grad.gate, lse, delta, dk, dv, tables.tok_pos,
+            q, k, v, do, grad.gate, lse, delta, dk, dv, tables.tok_pos,
             tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, BLOCK_N=N, TMA=tma,
+            scale, BLOCK_R=R, BLOCK_N=N,
             TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()), **meta,
             **launch,
         )
