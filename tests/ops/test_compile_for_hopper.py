@@ -133,11 +133,12 @@ def recorded_launches(work) -> list[dict]:
     return list(launches.values())
 
 
-def attention_forward_backward(dtype, T, window):
-    """nsa_attention and nsa_select on tiny shapes: G = 2, l' = 16 (whole blocks and, from
-    T = 300, full 64-key tiles through tensor descriptors)."""
+def attention_forward_backward(dtype, T, window, heads=(4, 2), dim=16):
+    """nsa_attention and nsa_select on tiny shapes: HQ / H = ``heads`` (default G = 2), head
+    dim ``dim``, l' = 16 (whole blocks and, from T = 300, full 64-key tiles through tensor
+    descriptors)."""
     p = dict(cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3, window=window)
-    x = make_inputs(1, T, 4, 2, 16, 16, dtype=dtype, **p)
+    x = make_inputs(1, T, *heads, dim, dim, dtype=dtype, **p)
     x = {name: t.requires_grad_() for name, t in x.items()}
     out = nsa.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],
                             k_win=x["k_win"], v_win=x["v_win"], backend="triton", **p)
@@ -214,6 +215,10 @@ def everything():
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
     attention_forward_backward(torch.float32, 300, window=130)
+    # G = 4 at the paper's head dim (the window dK/dV's transposed tiles, descriptor loads of
+    # 128-wide rows), and G = 16 (the selection's pipelined head loop), in bf16.
+    attention_forward_backward(torch.bfloat16, 300, window=130, heads=(8, 2), dim=128)
+    attention_forward_backward(torch.bfloat16, 300, window=130, heads=(32, 2))
 
 
 def test_every_recorded_launch_compiles_for_hopper(tmp_path):
@@ -221,6 +226,8 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
     assert {launch["kernel"] for launch in launches} >= EXPECTED
     assert any(t.startswith("tensordesc") for launch in launches
                for t in launch["types"].values())  # the TMA paths are among them
+    assert any(launch["constants"].get("TRANSPOSED") for launch in launches)
+    assert any(launch["constants"].get("HEAD_STAGES", 1) > 1 for launch in launches)
     # Compiled as the GPU specializes them: every launch has aligned pointers.
     assert all(any(launch["types"][n].startswith("*") for n in launch["aligned"])
                for launch in launches)
