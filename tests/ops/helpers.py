@@ -98,6 +98,12 @@ def make_inputs(
     return {name: t.to(dtype) for name, t in x.items()}
 
 
+def seeded_randn(*shape, seed=1, dtype=torch.float32):
+    """A normal CPU tensor from its own generator: the same on every call (an output gradient
+    that does not depend on what ran before)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
 def call(fn, x, **kw):
     """fn(q, k, v, k_cmp, v_cmp, gates, k_win=..., v_win=..., **kw)."""
     win = {name: x[name] for name in ("k_win", "v_win") if name in x}

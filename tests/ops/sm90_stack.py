@@ -141,6 +141,7 @@ def copy_races(ttgir: str) -> int:
     the next; an operand slot that is not such a counter or a constant counts as any slot."""
     rings = {name: int(n) for name, n in _RING.findall(ttgir)}
     constants = {name: int(value) for name, value in _CONSTANT.findall(ttgir)}
+    turns = max(rings.values(), default=1) + 1  # iterations followed per loop
     races = set()
     for header, body in _loops(ttgir):
         initial = dict(re.findall(r"(%[\w#-]+) = (%[\w#-]+)", header.split("iter_args(")[-1]))
@@ -150,9 +151,8 @@ def copy_races(ttgir: str) -> int:
             start = constants.get(initial.get(steps.get(stepped, ""), ""))
             if start is not None:
                 counters[wrapped] = start + 1
-        n_max = max([rings[r] for r in rings] or [1])
-        outstanding = []  # per unwaited wgmma: its operands' (ring, slot counter or index)
-        for j in range(n_max + 1):
+        outstanding = []  # per unwaited wgmma: its operands' (ring, slot)
+        for j in range(turns):
             buffers = {}  # value -> (ring, slot in this iteration, or None: any)
             for number, line in enumerate(body):
                 if view := _VIEW.search(line):

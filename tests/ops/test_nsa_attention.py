@@ -19,6 +19,7 @@ from tests.ops.helpers import (
     make_inputs,
     params_id,
     score_params,
+    seeded_randn,
     select_params,
     selection_margin,
     shape_id,
@@ -64,8 +65,7 @@ def _cu_seqlens(lengths):
 
 def _grad_out(x, seed=123):
     q, v = x["q"], x["v"]
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*q.shape[:3], v.shape[-1], generator=gen, dtype=torch.float64).to(q.dtype)
+    return seeded_randn(*q.shape[:3], v.shape[-1], seed=seed, dtype=torch.float64).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

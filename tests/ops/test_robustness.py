@@ -25,6 +25,7 @@ from tests.ops.helpers import (
     assert_rel_close,
     forward_backward,
     make_inputs,
+    seeded_randn,
     to_double,
     transpose_dkdv_tiles,
 )
@@ -54,8 +55,7 @@ def inputs(packed=False):
 
 
 def grad_out():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(1, T, 2, 16, generator=g).to(DEVICE)
+    return seeded_randn(1, T, 2, 16).to(DEVICE)
 
 
 def with_nan(x, name, index):

@@ -12,7 +12,7 @@ import torch
 import nsa
 from nsa.ops.params import NSAParams
 from nsa.ops.torch_backend import block_overlap, nsa_attention_torch
-from tests.ops.helpers import transpose_dkdv_tiles
+from tests.ops.helpers import seeded_randn, transpose_dkdv_tiles
 
 triton = pytest.importorskip("triton")
 
@@ -171,12 +171,6 @@ def test_triton_selection_maps_tokens_onto_blocks(l, d, ls):
     assert_valid_selection(idx, scores, params, None, 1e-4)
 
 
-def random_like(out):
-    """A seeded normal tensor like ``out`` (an output gradient the same on every run)."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(out.shape, generator=g).to(out)
-
-
 def run_case(case, dtype):
     B, T, HQ, H, Dk, Dv, cu, p = case
     params = NSAParams(**p)
@@ -199,7 +193,7 @@ def run_case(case, dtype):
     poison_allocator()
     out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
                             v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton", **p)
-    grad_out = random_like(out)
+    grad_out = seeded_randn(*out.shape).to(out)
     grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], grad_out)
     # The reference on the same blocks, in float64.
     ref_inputs = {name: t.double().requires_grad_() for name, t in x.items()}
@@ -284,7 +278,8 @@ def test_triton_gradients_are_bitwise_reproducible(case):
         out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
                                 v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton",
                                 **case[-1])
-        grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], random_like(out))
+        grad_out = seeded_randn(*out.shape).to(out)
+        grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], grad_out)
         return (out, *grads)
 
     first = run()
