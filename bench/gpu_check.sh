@@ -8,8 +8,9 @@
 #        so that the failing tests are named even if the call's time runs out: $OUT/tests.log
 #        (ending with the 30 slowest tests), and $OUT/failed.txt (one line per failed or
 #        erroring test). $TESTS narrows it; PART=k/n runs the k-th of n shares of its test
-#        files (every n-th file in sorted order: the whole suite on an H100 takes about 10
-#        minutes with 14 workers, more than one call, so PART=1/2 and PART=2/2 in two calls).
+#        files (every n-th file in sorted order: the whole suite takes more than one call's
+#        10 minutes; on an H200 (2026-11-29) PART=1/2 ran 465 s with 14 workers and PART=2/2
+#        254 s with JOBS=16, so two calls; run both halves from one tree).
 # user:  the real user path: m7c-125m ($PRESET) trained $STEPS (40) steps in bf16 on the
 #        bundled corpus (bytes tokenizer: no download), ending with its sample, then
 #        `nsa generate` from the run (CUDA graphs): $OUT/train.log, $OUT/generate.log.
