@@ -15,6 +15,7 @@ import plot_generation  # noqa: E402
 import plot_host  # noqa: E402
 import plot_train_step  # noqa: E402
 import plot_tuning  # noqa: E402
+import plot_versions  # noqa: E402
 
 RESULTS = BENCH / "results"
 
@@ -28,8 +29,9 @@ RESULTS = BENCH / "results"
     (plot_train_step, "train-step-cuda-graph-h100-2026-11-25.json", []),
     (plot_tuning, "tuning-v25-h200-2026-11-28.json", []),
     (plot_tuning, "tuning-v26-h200-2026-11-28.json", []),  # tiles transposed or not
+    (plot_versions, "dkdv-race-fix-h200-2026-11-29.json", []),
 ], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step",
-        "tuning", "tuning-transposed"])
+        "tuning", "tuning-transposed", "versions"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])
