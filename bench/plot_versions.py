@@ -1,5 +1,6 @@
-"""Plot two versions' kernel times side by side (a results JSON whose "kernels" rows hold kernel,
-shape, version, launch and ms): the shipped launches, one panel per shape.
+"""Plot versions' kernel times side by side (a results JSON whose "kernels" rows hold kernel,
+shape, version, launch and ms): the shipped launches, one panel per shape; the title says
+"kernel time, shipped launch" unless the JSON's meta has its own "title".
 
     python bench/plot_versions.py bench/results/dkdv-race-fix-h200-2026-11-29.json \
         docs/dkdv-race-fix-h200-2026-11-29.png
@@ -20,7 +21,8 @@ def main(argv=None):
         ms = {(r["kernel"], r["version"]): r["ms"] for r in rows if r["shape"] == shape}
         kernels = list(dict.fromkeys(kernel for kernel, _ in ms))
         bars(ax, kernels, [[ms[k, v] for v in versions] for k in kernels], versions, shape)
-    fig.suptitle(f"{data['meta']['device']}, {data['meta']['date']}: kernel time, shipped launch")
+    title = data["meta"].get("title", "kernel time, shipped launch")
+    fig.suptitle(f"{data['meta']['device']}, {data['meta']['date']}: {title}")
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
 

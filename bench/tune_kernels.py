@@ -37,7 +37,8 @@ from nsa.ops.triton.launch import (
     launch_shape,
     launch_transposed,
 )
-from nsa.ops.triton.selected import position_dq, position_forward, selected_dkdv
+from nsa.ops.triton.selected import position_dq, position_forward
+from nsa.ops.triton.selected_blocks import block_backward, block_forward
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
     masked_dkdv,
@@ -56,7 +57,8 @@ KERNELS = {  # family -> the name of the kernel it tunes (a call may launch othe
     "cmp_dkdv": "_branch_bwd_dkdv_kernel", "win_dkdv": "_branch_bwd_dkdv_kernel",
     "select": "_select_kernel", "selected_fwd": "_selected_fwd_kernel",
     "masked_fwd": "_masked_fwd_kernel", "selected_dq": "_selected_bwd_dq_kernel",
-    "selected_dkdv": "_selected_bwd_dkdv_kernel", "masked_dq": "_masked_dq_kernel",
+    "selected_dkdv": "_block_bwd_kernel", "selected_block_fwd": "_block_fwd_kernel",
+    "masked_dq": "_masked_dq_kernel",
     "masked_dkdv": "_masked_dkdv_kernel",
 }
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
@@ -99,6 +101,8 @@ def stages(B, T, HQ, H, D):
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
             ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],
+        "selected_block_fwd": [
+            ("slc+sum", lambda: block_forward(q, k, v, idx, layout, PAPER, scale, gated))],
         "masked_fwd": [
             ("slc+sum", lambda: masked_forward(q, k, v, selection, PAPER, scale, gated))]
         if masked else [],
@@ -107,8 +111,11 @@ def stages(B, T, HQ, H, D):
         "win_dq": [("win bwd", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
         "selected_dq": [("slc dq", lambda: position_dq(
             q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))],
-        "selected_dkdv": [("slc dkdv", lambda: selected_dkdv(
-            q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale))],
+        "selected_dkdv": [
+            ("slc dkdv", lambda: block_backward(
+                q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale)),
+            ("slc dkdv+dq", lambda: block_backward(
+                q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale, dq=dq))],
         "masked_dq": [("slc dq", lambda: masked_dq(
             q, k, v, selection, g_slc, lse_slc, d_slc, dq, PAPER, scale))] if masked else [],
         "masked_dkdv": [("slc dkdv", lambda: masked_dkdv(
@@ -132,7 +139,8 @@ def main(argv=None):
                         help="0,1: the compressed and window dK/dV with p^T, dS^T computed as "
                         "[keys, rows] (1) or not (0), for every group (default: as shipped)")
     parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
-    parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,masked_fwd,"
+    parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,"
+                        "selected_block_fwd,masked_fwd,"
                         "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
                         "masked_dkdv")
     args = parser.parse_args(argv)

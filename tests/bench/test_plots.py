@@ -30,8 +30,9 @@ RESULTS = BENCH / "results"
     (plot_tuning, "tuning-v25-h200-2026-11-28.json", []),
     (plot_tuning, "tuning-v26-h200-2026-11-28.json", []),  # tiles transposed or not
     (plot_versions, "dkdv-race-fix-h200-2026-11-29.json", []),
+    (plot_versions, "selected-per-block-h200-2026-11-29.json", []),  # its own title
 ], ids=["attention", "attention-memory", "decode", "generation", "host", "train-step",
-        "tuning", "tuning-transposed", "versions"])
+        "tuning", "tuning-transposed", "versions", "versions-titled"])
 def test_plot_writes_a_png(script, results, options, tmp_path):
     png = tmp_path / "plot.png"
     script.main([str(RESULTS / results), str(png), *options])

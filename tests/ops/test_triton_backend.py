@@ -239,7 +239,7 @@ def test_triton_rejects_float64():
 
 def test_segmented_backward_equals_unsegmented(monkeypatch):
     """dK/dV split into many segments (summed in a fixed order) equal one segment per list."""
-    from nsa.ops.triton import compressed_window, selected
+    from nsa.ops.triton import compressed_window, selected_blocks
 
     case = (1, 61, 4, 2, 16, 16, [0, 9, 61], SMALL)
     x, cu_seqlens = make_inputs(*case, torch.float32)
@@ -253,10 +253,30 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
 
     whole = grads()
     monkeypatch.setattr(compressed_window, "CMP_SEGMENT", 8)
-    monkeypatch.setattr(selected, "SELECTED_SEGMENT", 3)
+    monkeypatch.setattr(selected_blocks, "SELECTED_SEGMENT", 3)
     split = grads()
     for name, a, b in zip(INPUTS, split, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case,max_group", [(CASES[1], 0), (CASES[-1], 0), (CASES[2], 16)],
+                         ids=["varlen-G1-per-position", "full-tiles-G4-per-position",
+                              "G16-per-block"])
+def test_triton_matches_reference_with_the_other_selected_kernels(case, max_group, monkeypatch):
+    """The selected forward and dq per key block (selected_blocks.py) and per position
+    (selected.py), each forced where the shipped group threshold takes the other."""
+    from nsa.ops.triton import selected
+    from nsa.ops.triton.launch import TUNING
+
+    monkeypatch.setitem(TUNING, "selected_block_fwd",
+                        dict(TUNING["selected_block_fwd"], max_group=max_group))
+    calls = []
+    for name in ("block_forward", "position_forward"):
+        kernel = getattr(selected, name)
+        monkeypatch.setattr(selected, name,
+                            lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    run_case(case, torch.float32)
+    assert calls == ["block_forward" if max_group else "position_forward"]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")

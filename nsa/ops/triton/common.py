@@ -229,6 +229,17 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
     finite, but whose rows' delta may not be). TRANSPOSED: p^T and dS^T are computed as such
     (``valid`` [keys, rows]) and enter the products as the tensor cores gave them, with no
     transpose through shared memory (a launch choice: launch.launch_transposed)."""
+    acc_k, acc_v, _ = dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
+                                   scale_log2, IEEE, PARTIAL, MASKED, MASK_DS, TRANSPOSED)
+    return acc_k, acc_v
+
+
+@triton.jit
+def dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
+                 IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
+                 MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
+    """``dkdv_tile``, also returning the tile's dS [rows, keys] (gated), whose product with
+    the keys is the rows' dq through them (unused, it costs nothing)."""
     q_mult = q
     do_mult = do
     gate_mult = gate
@@ -240,12 +251,15 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
         lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
                               MASKED, gate_mult, MASK_DS, TRANSPOSED)
-    if not TRANSPOSED:
+    if TRANSPOSED:
+        ds_rows = tl.trans(ds)
+    else:
+        ds_rows = ds
         p = tl.trans(p)
         ds = tl.trans(ds)
     acc_v += dot(p.to(do.dtype), do_mult, IEEE)
     acc_k += dot(ds.to(q.dtype), q_mult, IEEE)
-    return acc_k, acc_v
+    return acc_k, acc_v, ds_rows
 
 
 @triton.jit

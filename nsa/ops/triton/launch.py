@@ -36,7 +36,12 @@ TUNING = {
     # warps for head dim 128 (selected.py halves them for smaller heads).
     "selected_fwd": dict(num_warps=1, num_stages=2),
     "selected_dq": dict(num_warps=2, num_stages=2),
-    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=2),
+    # The per-block selected kernels (selected_blocks.py): one stage was 13-52 % faster than
+    # two at 8k G = 16, 32k G = 1 and 4, with dq 2.1-2.3x (bench/NOTES.md, thirtieth session).
+    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=1),
+    # The selected forward and dq per key block for groups of at most max_group heads; larger
+    # ones run one program per position (at G = 8 and 6 the per-block op was slower).
+    "selected_block_fwd": dict(rows=64, num_warps=4, num_stages=1, max_group=4),
     # The selected forward, dq and dK/dV at short T as masked causal attention
     # (selected_masked.py).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=3),
