@@ -8,8 +8,9 @@ output is kept in float32 for the backward, which runs one dq and one dk/dv kern
 (deterministic: no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
 backward's delta = do · o then carries the output's rounding, and where dp - delta cancels the
 gradients miss the tolerances (bench/NOTES.md, v6).
-Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``,
-``gating`` (each: kernels, then launch wrappers), ``launch`` (launch shapes).
+Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``
+(with ``selected_blocks`` and ``selected_masked``), ``gating`` (each: kernels, then launch
+wrappers), ``launch`` (launch shapes).
 """
 
 from __future__ import annotations
