@@ -289,7 +289,8 @@ def test_triton_gradients_are_bitwise_reproducible(case):
     on an H200). bf16; G = 16, varlen: the selected dK/dV per block, its lists long enough to
     be split into segments; G = 8, B = 2, T = 1000: the selected branch as masked attention,
     its dK/dV split into query segments; G = 2, Dk != Dv: full query tiles in the compressed
-    and window dK/dV."""
+    and window dK/dV, and the selected forward and dq per key block (partials summed in slot
+    order)."""
     dtype = torch.bfloat16
     x, cu_seqlens = make_inputs(*case, dtype)
 

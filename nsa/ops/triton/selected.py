@@ -37,7 +37,13 @@ from nsa.ops.triton.launch import (
     strides,
     tile_width,
 )
-from nsa.ops.triton.selected_blocks import block_backward, block_forward, per_block
+from nsa.ops.triton.selected_blocks import (
+    block_backward,
+    block_forward,
+    block_meta,
+    per_block,
+    position_program,
+)
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
     masked_dkdv,
@@ -51,18 +57,13 @@ from nsa.ops.triton.selected_masked import (
 def _position_rows(Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G: tl.constexpr,
                    DK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
                    NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
-    """Program (t, b·H + h): (b, h, t, its sequence's start, query heads hq [BLOCK_G], row
-    mask, q [BLOCK_G, BLOCK_DK], number of selected blocks min(n, candidates))."""
-    t = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    pos = tl.load(TOK_POS + t)
-    g = tl.arange(0, BLOCK_G)
+    """``position_program`` with its rows' q: (b, h, t, its sequence's start, query heads hq
+    [BLOCK_G], row mask, q [BLOCK_G, BLOCK_DK], number of selected blocks min(n,
+    candidates))."""
+    b, h, t, pos, g, num_blocks = position_program(TOK_POS, H, BLOCK_G, NUM_SELECTED, SEL_BLOCK)
     row_ok = g < G
     hq = h * G + g
     q = load_tile(Q + b * stride_qb + t * stride_qt + hq * stride_qh, row_ok, DK, BLOCK_DK)
-    num_blocks = tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
     return b, h, t, t - pos, hq, row_ok, q, num_blocks
 
 
@@ -180,13 +181,6 @@ def _selected_bwd_dq_kernel(
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _selected_meta(q, k, v, params):
-    B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_G=pow2(G),
-                NUM_SELECTED=params.num_selected, SEL_BLOCK=params.sel_block,
-                BLOCK_S=pow2(params.sel_block), IEEE=q.dtype == torch.float32)
-
-
 def _block_descriptors(k, v, params):
     """(KD, VD, TMA): [B, T, H, D] descriptors of one selection block when every block can be
     one TMA load (l' a power of two >= 16: the tile BLOCK_S; aligned layouts), else
@@ -205,7 +199,8 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
     dim = pow2(max(Dk, Dv))
     stages = 1 if tile_width(dim, q.element_size()) > 128 else tuning["num_stages"]
     warps = max(1, tuning["num_warps"] * min(dim, 128) // 128)
-    return dict(_selected_meta(q, k, v, params), num_warps=warps, num_stages=stages)
+    return dict(block_meta(q, k, v, params), BLOCK_G=pow2(G), SEL_BLOCK=params.sel_block,
+                num_warps=warps, num_stages=stages)
 
 
 def selected_forward(q, k, v, idx, tables, params, scale, kv_finite,

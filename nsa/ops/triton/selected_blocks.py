@@ -213,17 +213,25 @@ def _block_fwd_kernel(
 
 
 @triton.jit
-def _position_slots(TOK_POS, T, H, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                    NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
-    """Program (t, b·H + h) of a per-position sum over slots: (b, t (int64), query heads hq
-    [BLOCK_G], row mask, first partial row of slot 0 per head (int64), slots in use:
-    min(n, candidates), partial rows per slot (G))."""
+def position_program(TOK_POS, H, BLOCK_G: tl.constexpr, NUM_SELECTED: tl.constexpr,
+                     SEL_BLOCK: tl.constexpr):
+    """Program (t, b·H + h) of a per-position kernel, whose rows are the G query heads of KV
+    head h at t: (b, h, t (int64), t's position in its sequence, g [BLOCK_G], slots in use:
+    min(n, candidates))."""
     t = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    g = tl.arange(0, BLOCK_G)
-    num_blocks = tl.minimum(NUM_SELECTED, tl.load(TOK_POS + t) // SEL_BLOCK + 1)
+    pos = tl.load(TOK_POS + t)
+    return b, h, t, pos, tl.arange(0, BLOCK_G), tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
+
+
+@triton.jit
+def _position_slots(TOK_POS, T, H, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                    NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
+    """``position_program`` for a sum over slots: (b, t, query heads hq [BLOCK_G], row mask,
+    the partial row of slot 0 per head (int64; slot i's is G·i further), slots in use)."""
+    b, h, t, _, g, num_blocks = position_program(TOK_POS, H, BLOCK_G, NUM_SELECTED, SEL_BLOCK)
     first = ((b * T + t) * H + h) * NUM_SELECTED * G + g
     return b, t, h * G + g, g < G, first, num_blocks
 
@@ -432,7 +440,8 @@ class InverseIndex:
         return dict(SEGMENT=SELECTED_SEGMENT, SEARCH_STEPS=self.num_lists.bit_length())
 
 
-def _block_meta(q, k, v, params) -> dict:
+def block_meta(q, k, v, params) -> dict:
+    """The meta-parameters every selected-branch kernel outside the masked ones takes."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     return dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                 BLOCK_S=pow2(params.sel_block), NUM_SELECTED=params.num_selected,
@@ -447,7 +456,7 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
     o_part = torch.empty(B * T * H * n * G, Dv, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B * T * H * n * G, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("selected_block_fwd", G, max(Dk, Dv), q.element_size())
-    meta = _block_meta(q, k, v, params)
+    meta = block_meta(q, k, v, params)
     _block_fwd_kernel[(index.num_segments,)](
         q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
         T, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
@@ -469,7 +478,7 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     dtypes of k and v. With ``dq`` (float32), also this branch's dq per block: into ``dq_out``
     (default ``dq``), added to ``dq`` when ``accumulate``."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
-    meta = _block_meta(q, k, v, params)
+    meta = block_meta(q, k, v, params)
     index = InverseIndex(idx, tables, params)
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32, device=q.device)
