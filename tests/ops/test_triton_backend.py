@@ -239,7 +239,8 @@ def test_triton_rejects_float64():
 
 def test_segmented_backward_equals_unsegmented(monkeypatch):
     """dK/dV split into many segments (summed in a fixed order) equal one segment per list."""
-    from nsa.ops.triton import compressed_window, selected_blocks
+    from nsa.ops.triton import compressed_window
+    from nsa.ops.triton.launch import TUNING
 
     case = (1, 61, 4, 2, 16, 16, [0, 9, 61], SMALL)
     x, cu_seqlens = make_inputs(*case, torch.float32)
@@ -253,7 +254,8 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
 
     whole = grads()
     monkeypatch.setattr(compressed_window, "CMP_SEGMENT", 8)
-    monkeypatch.setattr(selected_blocks, "SELECTED_SEGMENT", 3)
+    for kind in ("selected_dkdv", "selected_block_fwd"):  # G = 2 takes the second
+        monkeypatch.setitem(TUNING, kind, dict(TUNING[kind], segment=3))
     split = grads()
     for name, a, b in zip(INPUTS, split, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -38,10 +38,14 @@ TUNING = {
     "selected_dq": dict(num_warps=2, num_stages=2),
     # The per-block selected kernels (selected_blocks.py): one stage was 13-52 % faster than
     # two at 8k G = 16, 32k G = 1 and 4, with dq 2.1-2.3x (bench/NOTES.md, thirtieth session).
-    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=1),
+    # segment: most entries (positions) of a block's list one program takes, for the groups
+    # whose forward runs per position.
+    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=1, segment=256),
     # The selected forward and dq per key block for groups of at most max_group heads; larger
-    # ones run one program per position (at G = 8 and 6 the per-block op was slower).
-    "selected_block_fwd": dict(rows=64, num_warps=4, num_stages=1, max_group=4),
+    # ones run one program per position (at G = 8 and 6 the per-block op was slower, also at
+    # one stage). segment: as above for these groups; 1024 took the op at 32k G = 1 / 2 / 4
+    # 6-12 % below 256 (fewer dK/dV partials; bench/NOTES.md, thirty-first session).
+    "selected_block_fwd": dict(rows=64, num_warps=4, num_stages=1, max_group=4, segment=1024),
     # The selected forward, dq and dK/dV at short T as masked causal attention
     # (selected_masked.py).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=3),

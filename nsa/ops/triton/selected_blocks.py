@@ -1,10 +1,10 @@
 """The selected branch per key block: Triton kernels, then their launch wrappers.
 
 Each (batch, KV head, selection block) has the list of the positions that selected it (an
-inverse index of the selection, built by a sort: ``inverse_index``). Its entries are the flat
+inverse index of the selection, built by a sort: ``InverseIndex``). Its entries are the flat
 indices (b, t, h, slot) of the selection tensor [B, T, H, n], so one entry names a position,
 its KV head and the slot the block fills there, and the lists are cut into segments of at most
-``SELECTED_SEGMENT`` entries (the forced first block is chosen by every position: no program
+``segment_entries(G)`` entries (the forced first block is chosen by every position: no program
 runs alone for long). ``_segment_starts_kernel`` numbers the segments (one program, a running
 sum over the lists) and each program finds its list by a binary search, so the index costs a
 sort, a search, three elementwise ops and three launches rather than some forty small PyTorch
@@ -19,10 +19,12 @@ products.
   heads): each entry's attention over its one block, normalised, with its log-sum-exp, into a
   partial [B, T, H, n, G] row; ``_merge_partials_kernel`` combines a position's n partials
   in slot order (and writes the gated sum of the three branches, as the per-position kernel).
-* ``_block_bwd_kernel``: dK, dV of the block from the segment's entries, written as a partial
-  per segment that ``_sum_segments_kernel`` adds up in segment order; with ``DQ``, also each
-  entry's dq through this block, into a partial row that ``_sum_dq_kernel`` adds up over a
-  position's slots in order. Deterministic: every partial has one writer, no atomics.
+* ``_block_bwd_kernel``: dK, dV of the block from the segment's entries, written directly
+  when the segment is its list's only one, else as a partial per segment that
+  ``_sum_segments_kernel`` adds up in segment order (``SUM_ROWS`` tokens a program); with
+  ``DQ``, also each entry's dq through this block, into a partial row that ``_sum_dq_kernel``
+  adds up over a position's slots in order. Deterministic: every partial has one writer, every
+  sum a fixed order, no atomics.
 
 Partials cost 4 (Dv + 1) bytes (forward) and 4 Dk bytes (backward) per (position, query head,
 slot): n times the branch's float32 output, which is why large groups keep the per-position
@@ -64,13 +66,18 @@ from nsa.ops.triton.launch import (
 )
 from nsa.ops.triton.tables import KernelTables, i32
 
-SELECTED_SEGMENT = 256  # most entries (positions) one per-block program handles
+SUM_ROWS = 16  # block tokens one program of the dK/dV partials' sum adds up
 
 
 def per_block(G: int) -> bool:
     """Whether the selected forward and dq run per key block for groups of G heads (else one
     program per position: selected.py)."""
     return G <= TUNING["selected_block_fwd"]["max_group"]
+
+
+def segment_entries(G: int) -> int:
+    """The most entries of a block's list one per-block program takes, for groups of G."""
+    return TUNING["selected_block_fwd" if per_block(G) else "selected_dkdv"]["segment"]
 
 
 @triton.jit
@@ -123,8 +130,9 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
                    P: tl.constexpr, NUM_SELECTED: tl.constexpr, SEGMENT: tl.constexpr,
                    SEARCH_STEPS: tl.constexpr):
     """This program's segment: (b, h, the block's tokens s [BLOCK_S] and their mask, keys,
-    values, the end of its entries, and its tiles of P entries as ``split_tiles`` gives them:
-    full_lo, full_hi, number of partial tiles, first entry)."""
+    values, the end of its entries, its tiles of P entries as ``split_tiles`` gives them:
+    full_lo, full_hi, number of partial tiles, first entry; and whether it is its list's only
+    segment)."""
     list_id, e_lo, e_hi = _find_segment(SEG_FIRST, OFFSETS, tl.program_id(0), NUM_LISTS,
                                         SEARCH_STEPS, SEGMENT)
     pid_bh = list_id // NUM_GLOBAL_BLOCKS
@@ -145,7 +153,10 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
     t = _entry_position(tl.load(ENTRIES + e, mask=in_seg, other=0), T, H, NUM_SELECTED)
     e_full = e_lo + tl.sum((in_seg & (t < s_hi - 1)).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
-    return b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo
+    # The list's only segment (an unused program's segment is empty, never alone).
+    alone = ((tl.load(SEG_FIRST + list_id + 1) - tl.load(SEG_FIRST + list_id) == 1)
+             & (e_hi > e_lo))
+    return b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone
 
 
 @triton.jit
@@ -197,7 +208,7 @@ def _block_fwd_kernel(
     """Partial outputs O_PART [B·T·H·n·G, DV] and log-sum-exps LSE_PART of one segment's
     entries over its block."""
     P: tl.constexpr = BLOCK_R // G
-    b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo = _segment_block(
+    b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, _ = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T, H, NUM_GLOBAL_BLOCKS,
         NUM_LISTS, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_S, P, NUM_SELECTED, SEGMENT, SEARCH_STEPS)
@@ -294,20 +305,23 @@ def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, 
 
 @triton.jit
 def _block_bwd_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DK_PART, DV_PART, DQ_PART, block_token_start,
-    block_token_end, SEG_FIRST, OFFSETS, ENTRIES,
+    Q, K, V, DO, GATE, LSE, DELTA, DK_OUT, DV_OUT, DK_PART, DV_PART, DQ_PART,
+    block_token_start, block_token_end, SEG_FIRST, OFFSETS, ENTRIES,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     T, H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, DQ: tl.constexpr,
 ):
-    """Partial dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list;
-    with DQ, the segment's dq partial rows DQ_PART [B·T·H·n·G, DK]."""
+    """dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list: into
+    DK_OUT, DV_OUT (their dtypes) when the segment is the whole list, else as partials DK_PART,
+    DV_PART [segment·BLOCK_S + row, BLOCK_D] for ``_sum_segments_kernel``; with DQ, the
+    segment's dq partial rows DQ_PART [B·T·H·n·G, DK]."""
     P: tl.constexpr = BLOCK_R // G
-    b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo = _segment_block(
+    b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T, H, NUM_GLOBAL_BLOCKS,
         NUM_LISTS, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_S, P, NUM_SELECTED, SEGMENT, SEARCH_STEPS)
@@ -325,20 +339,29 @@ def _block_bwd_kernel(
             DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, T, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
             BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    tl.store(DK_PART + rows[:, None] * BLOCK_DK + tl.arange(0, BLOCK_DK)[None, :], acc_k * scale)
-    tl.store(DV_PART + rows[:, None] * BLOCK_DV + tl.arange(0, BLOCK_DV)[None, :], acc_v)
+    if alone:
+        s64 = s.to(tl.int64)
+        store_tile(DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh, acc_k * scale,
+                   k_ok, DK, BLOCK_DK)
+        store_tile(DV_OUT + b * stride_dvb + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV,
+                   BLOCK_DV)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(DK_PART + rows[:, None] * BLOCK_DK + tl.arange(0, BLOCK_DK)[None, :],
+                 acc_k * scale)
+        tl.store(DV_PART + rows[:, None] * BLOCK_DV + tl.arange(0, BLOCK_DV)[None, :], acc_v)
 
 
 @triton.jit
-def _sum_block_segments(PART, OUT, b, h, s, s_ok, first, end, stride_b, stride_t, stride_h,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """OUT[b, s, h] (its dtype) = the sum of the partials of segments first..end-1, in order."""
+def _sum_block_segments(PART, OUT, b, h, s, s_ok, rows, first, end, stride_b, stride_t,
+                        stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+    """OUT[b, s, h] (its dtype) = the sum of rows ``rows`` of the partials of segments
+    first..end-1, in order."""
     d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for seg in range(first, end):
-        rows = tl.arange(0, BLOCK_S).to(tl.int64) + seg * BLOCK_S
-        acc += tl.load(PART + rows[:, None] * BLOCK_D + d[None, :])
+        acc += tl.load(PART + (rows.to(tl.int64) + seg * BLOCK_S)[:, None] * BLOCK_D + d[None, :])
     tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
              acc.to(OUT.dtype.element_ty), mask=s_ok[:, None] & (d[None, :] < D))
 
@@ -348,23 +371,27 @@ def _sum_segments_kernel(
     DK_PART, DV_PART, DK, DV, block_token_start, block_token_end, SEG_FIRST,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, H, NUM_GLOBAL_BLOCKS,
     DK_DIM: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """dK, dV [b, block tokens, h] = the sums of the block's segment partials, in segment order
-    (every token is in one block of its sequence: every row is written)."""
+    """dK, dV [b, block tokens, h], ROWS of the block's tokens a program, = the sums of the
+    block's segment partials in segment order, for the lists whose segments are not one (one
+    segment writes its own rows; none: zeros). Every token is in one block of its sequence:
+    every row is written."""
     list_id = tl.program_id(0)
-    pid_bh = list_id // NUM_GLOBAL_BLOCKS
-    gblock = list_id % NUM_GLOBAL_BLOCKS
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    s = tl.load(block_token_start + gblock) + tl.arange(0, BLOCK_S)
-    s_ok = s < tl.load(block_token_end + gblock)
     first = tl.load(SEG_FIRST + list_id)
     end = tl.load(SEG_FIRST + list_id + 1)
-    _sum_block_segments(DK_PART, DK, b, h, s, s_ok, first, end, stride_kb, stride_kt,
-                        stride_kh, DK_DIM, BLOCK_DK, BLOCK_S)
-    _sum_block_segments(DV_PART, DV, b, h, s, s_ok, first, end, stride_vb, stride_vt,
-                        stride_vh, DV_DIM, BLOCK_DV, BLOCK_S)
+    if end - first != 1:
+        pid_bh = list_id // NUM_GLOBAL_BLOCKS
+        gblock = list_id % NUM_GLOBAL_BLOCKS
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        s = tl.load(block_token_start + gblock) + rows
+        s_ok = s < tl.load(block_token_end + gblock)
+        _sum_block_segments(DK_PART, DK, b, h, s, s_ok, rows, first, end, stride_kb,
+                            stride_kt, stride_kh, DK_DIM, BLOCK_DK, BLOCK_S, ROWS)
+        _sum_block_segments(DV_PART, DV, b, h, s, s_ok, rows, first, end, stride_vb,
+                            stride_vt, stride_vh, DV_DIM, BLOCK_DV, BLOCK_S, ROWS)
 
 
 @triton.jit
@@ -391,7 +418,7 @@ def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
     """Layout-only parts of the inverse index, built once per tables: the number of global
     blocks (a host-known bound), the token range of every global block (blocks past the last
     one are empty), the list id of block 0 of each (b, position's sequence, h) [B, T, H, 1],
-    and the list boundaries (0 .. lists)."""
+    and the list boundaries (0 .. lists), ids in int32 where they fit."""
     key = ("blocks", B, H)
     if key not in tables.memo:
         layout = tables.layout
@@ -407,16 +434,20 @@ def _selection_blocks(tables: KernelTables, params: NSAParams, B: int, H: int):
         bh = (torch.arange(B, device=device).view(B, 1, 1, 1) * H
               + torch.arange(H, device=device).view(1, 1, H, 1))  # [B, 1, H, 1]
         list_first = bh * num_global + block_first[layout.seq].view(1, T, 1, 1)
-        tables.memo[key] = (num_global, i32(block_start), i32(block_end), list_first,
-                            torch.arange(B * H * num_global + 1, device=device))
+        # List ids in int32 where they fit: the sort's radix passes are one per key byte.
+        id_dtype = torch.int32 if B * H * num_global < 2**31 else torch.int64
+        tables.memo[key] = (num_global, i32(block_start), i32(block_end),
+                            list_first.to(id_dtype),
+                            torch.arange(B * H * num_global + 1, device=device, dtype=id_dtype))
     return tables.memo[key]
 
 
 class InverseIndex:
     """For each (b, h, global block), the entries of the positions that selected it, as CSR,
-    cut into segments of at most SELECTED_SEGMENT entries."""
+    cut into segments of at most ``segment`` entries."""
 
-    def __init__(self, idx: torch.Tensor, tables: KernelTables, params: NSAParams):
+    def __init__(self, idx: torch.Tensor, tables: KernelTables, params: NSAParams,
+                 segment: int):
         B, T, H, n = idx.shape
         num_global, self.block_start, self.block_end, list_first, boundaries = (
             _selection_blocks(tables, params, B, H))
@@ -429,15 +460,16 @@ class InverseIndex:
         self.num_lists = self.offsets.numel() - 1
         self.seg_first = torch.empty(self.num_lists + 1, dtype=torch.int32, device=idx.device)
         _segment_starts_kernel[(1,)](self.offsets, self.seg_first, self.num_lists,
-                                     SEGMENT=SELECTED_SEGMENT, BLOCK=1024)
-        self.num_segments = idx.numel() // SELECTED_SEGMENT + self.num_lists  # a host bound
+                                     SEGMENT=segment, BLOCK=1024)
+        self.segment = segment
+        self.num_segments = idx.numel() // segment + self.num_lists  # a host bound
 
     def args(self) -> tuple:
         """The kernels' index arguments, from the block token ranges to the entries."""
         return (self.block_start, self.block_end, self.seg_first, self.offsets, self.entries)
 
     def meta(self) -> dict:
-        return dict(SEGMENT=SELECTED_SEGMENT, SEARCH_STEPS=self.num_lists.bit_length())
+        return dict(SEGMENT=self.segment, SEARCH_STEPS=self.num_lists.bit_length())
 
 
 def block_meta(q, k, v, params) -> dict:
@@ -452,7 +484,7 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
     """The selected forward per key block -> (o, lse2), as ``selected.position_forward``."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     n = params.num_selected
-    index = InverseIndex(idx, tables, params)
+    index = InverseIndex(idx, tables, params, segment_entries(G))
     o_part = torch.empty(B * T * H * n * G, Dv, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B * T * H * n * G, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("selected_block_fwd", G, max(Dk, Dv), q.element_size())
@@ -479,25 +511,26 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     (default ``dq``), added to ``dq`` when ``accumulate``."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = block_meta(q, k, v, params)
-    index = InverseIndex(idx, tables, params)
+    index = InverseIndex(idx, tables, params, segment_entries(G))
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32, device=q.device)
     dq_part = (dk_part if dq is None else
                torch.empty(idx.numel() * G, Dk, dtype=torch.float32, device=q.device))
-    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
-    _block_bwd_kernel[(index.num_segments,)](
-        q, k, v, grad.do, grad.gate, lse, delta, dk_part, dv_part, dq_part, *index.args(),
-        *strides(q), *strides(k), *strides(v), *strides(grad.do), *lse.stride()[:2],
-        T, H, index.num_global, index.num_lists, scale * LOG2E, scale,
-        BLOCK_R=R, DQ=dq is not None, **meta, **index.meta(), **launch,
-    )
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _sum_segments_kernel[(index.num_lists,)](
+    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
+    _block_bwd_kernel[(index.num_segments,)](
+        q, k, v, grad.do, grad.gate, lse, delta, dk, dv, dk_part, dv_part, dq_part,
+        *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
+        *lse.stride()[:2], *strides(dk), *strides(dv), T, H, index.num_global,
+        index.num_lists, scale * LOG2E, scale,
+        BLOCK_R=R, DQ=dq is not None, **meta, **index.meta(), **launch,
+    )
+    _sum_segments_kernel[(index.num_lists, cdiv(bs, SUM_ROWS))](
         dk_part, dv_part, dk, dv, index.block_start, index.block_end, index.seg_first,
         *strides(dk), *strides(dv), H, index.num_global, DK_DIM=Dk, DV_DIM=Dv, BLOCK_DK=bdk,
-        BLOCK_DV=bdv, BLOCK_S=bs,
+        BLOCK_DV=bdv, BLOCK_S=bs, ROWS=min(SUM_ROWS, bs),
     )
     if dq is not None:
         _sum_dq_kernel[(T, B * H)](
