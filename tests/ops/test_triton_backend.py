@@ -254,7 +254,7 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
 
     whole = grads()
     monkeypatch.setattr(compressed_window, "CMP_SEGMENT", 8)
-    for kind in ("selected_dkdv", "selected_block_fwd"):  # G = 2 takes the second
+    for kind in ("selected_dkdv", "selected_block_fwd"):  # the segment of each regime
         monkeypatch.setitem(TUNING, kind, dict(TUNING[kind], segment=3))
     split = grads()
     for name, a, b in zip(INPUTS, split, whole):
