@@ -26,10 +26,12 @@ products.
   adds up over a position's slots in order. Deterministic: every partial has one writer, every
   sum a fixed order, no atomics.
 
-Partials cost 4 (Dv + 1) bytes (forward) and 4 Dk bytes (backward) per (position, query head,
-slot): n times the branch's float32 output, which is why large groups keep the per-position
-forward and dq (their rows are already many; at 64k with 64 heads of 128 the partials would
-take 8.6 GB).
+Partials cost 4 (Dv + 1) bytes (forward) and Dk elements of q's dtype (backward: dq's own
+precision) per (position, query head, slot): n times the branch's float32 output, which is why
+large groups keep the per-position forward and dq (their rows are already many; at 64k with 64
+heads of 128 the forward's partials would take 8.6 GB). The forward's stay float32: o_slc
+feeds the gate gradient, a dot product with do that 16-bit outputs put past its tolerance
+(bench/NOTES.md, v6).
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr
 
 
 @triton.jit
+def _single_segment(SEG_FIRST, list_id):
+    """Whether a list is one segment long: its block's dK/dV program writes dK/dV itself and
+    ``_sum_segments_kernel`` leaves it alone."""
+    return tl.load(SEG_FIRST + list_id + 1) - tl.load(SEG_FIRST + list_id) == 1
+
+
+@triton.jit
 def _entry_position(entry, T, H, NUM_SELECTED: tl.constexpr):
     """The position t of a flat selection index (b, t, h, slot)."""
     return entry // (H * NUM_SELECTED) % T
@@ -154,8 +163,7 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
     e_full = e_lo + tl.sum((in_seg & (t < s_hi - 1)).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     # The list's only segment (an unused program's segment is empty, never alone).
-    alone = ((tl.load(SEG_FIRST + list_id + 1) - tl.load(SEG_FIRST + list_id) == 1)
-             & (e_hi > e_lo))
+    alone = _single_segment(SEG_FIRST, list_id) & (e_hi > e_lo)
     return b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone
 
 
@@ -298,8 +306,8 @@ def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, 
         k_mult = k
         if PARTIAL:
             k_mult, _ = finite_part(k)
-        dq = dot(ds.to(k.dtype), k_mult, IEEE)
-        store_tile(DQ_PART + part * DK, dq * scale, row_ok, DK, BLOCK_DK)
+        dq = dot(ds.to(k.dtype), k_mult, IEEE) * scale
+        store_tile(DQ_PART + part * DK, dq.to(DQ_PART.dtype.element_ty), row_ok, DK, BLOCK_DK)
     return acc_k, acc_v
 
 
@@ -378,9 +386,9 @@ def _sum_segments_kernel(
     segment writes its own rows; none: zeros). Every token is in one block of its sequence:
     every row is written."""
     list_id = tl.program_id(0)
-    first = tl.load(SEG_FIRST + list_id)
-    end = tl.load(SEG_FIRST + list_id + 1)
-    if end - first != 1:
+    if not _single_segment(SEG_FIRST, list_id):
+        first = tl.load(SEG_FIRST + list_id)
+        end = tl.load(SEG_FIRST + list_id + 1)
         pid_bh = list_id // NUM_GLOBAL_BLOCKS
         gblock = list_id % NUM_GLOBAL_BLOCKS
         b = (pid_bh // H).to(tl.int64)
@@ -515,8 +523,9 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32, device=q.device)
+    # dq partials in q's dtype: each slot's rounding is one of the kind dq's own gets.
     dq_part = (dk_part if dq is None else
-               torch.empty(idx.numel() * G, Dk, dtype=torch.float32, device=q.device))
+               torch.empty(idx.numel() * G, Dk, dtype=q.dtype, device=q.device))
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
