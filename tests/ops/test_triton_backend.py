@@ -261,24 +261,34 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("case,max_group", [(CASES[1], 0), (CASES[-1], 0), (CASES[2], 16)],
+@pytest.mark.parametrize("case,max_group,dq_max_group",
+                         [(CASES[1], 0, 0), (CASES[-1], 0, 0), (CASES[2], 16, 0),
+                          (CASES[0], 0, 16)],
                          ids=["varlen-G1-per-position", "full-tiles-G4-per-position",
-                              "G16-per-block"])
-def test_triton_matches_reference_with_the_other_selected_kernels(case, max_group, monkeypatch):
+                              "G16-per-block", "G3-forward-per-position-dq-per-block"])
+def test_triton_matches_reference_with_the_other_selected_kernels(case, max_group, dq_max_group,
+                                                                  monkeypatch):
     """The selected forward and dq per key block (selected_blocks.py) and per position
-    (selected.py), each forced where the shipped group threshold takes the other."""
+    (selected.py), each forced where the shipped group thresholds take the other, and the dq
+    per block beside the forward per position."""
     from nsa.ops.triton import selected
     from nsa.ops.triton.launch import TUNING
 
     monkeypatch.setitem(TUNING, "selected_block_fwd",
                         dict(TUNING["selected_block_fwd"], max_group=max_group))
+    monkeypatch.setitem(TUNING, "selected_dkdv",
+                        dict(TUNING["selected_dkdv"], dq_max_group=dq_max_group))
     calls = []
-    for name in ("block_forward", "position_forward"):
+    for name in ("block_forward", "position_forward", "position_dq"):
         kernel = getattr(selected, name)
         monkeypatch.setattr(selected, name,
                             lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     run_case(case, torch.float32)
-    assert calls == ["block_forward" if max_group else "position_forward"]
+    G = case[2] // case[3]
+    expected = ["block_forward" if G <= max_group else "position_forward"]
+    if G > max(max_group, dq_max_group):
+        expected.append("position_dq")
+    assert calls == expected
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")

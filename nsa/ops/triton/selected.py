@@ -8,8 +8,9 @@ as causal attention masked to each position's blocks instead (selected_masked.py
   last hold whole blocks before the position's own: those load unmasked, each as one
   tensor-descriptor (TMA) load where the layout allows; in the last, keys past the position
   load as zeros and are never multiplied in.
-* Per key block (selected_blocks.py): the dK/dV always; the forward and dq too for groups of
-  few heads (``per_block``), whose per-position tiles would have only G rows.
+* Per key block (selected_blocks.py): the dK/dV always; the forward (``per_block``) and dq
+  (``dq_per_block``) too for groups of few heads, whose per-position tiles would have only G
+  rows.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from nsa.ops.triton.selected_blocks import (
     block_backward,
     block_forward,
     block_meta,
+    dq_per_block,
     per_block,
     position_program,
 )
@@ -243,7 +245,7 @@ def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, pa
         masked_dq(q, k, v, selection, grad, lse, delta, dq, params, scale,
                   accumulate=accumulate, dq_out=dq_out)
         return masked_dkdv(q, k, v, selection, grad, lse, delta, params, scale)
-    if per_block(q.shape[2] // k.shape[2]):
+    if dq_per_block(q.shape[2] // k.shape[2]):
         return block_backward(q, k, v, idx, grad, lse, delta, tables, params, scale, dq=dq,
                               accumulate=accumulate, dq_out=dq_out)
     position_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,

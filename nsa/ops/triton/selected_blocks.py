@@ -15,16 +15,17 @@ positions inside the block (they see part of it) and a segment's last tile run f
 multiplying finite parts only (common.py, Masks); the others see the whole block: plain
 products.
 
-* ``_block_fwd_kernel`` (groups of at most ``TUNING["selected_block_fwd"]["max_group"]``
-  heads): each entry's attention over its one block, normalised, with its log-sum-exp, into a
-  partial [B, T, H, n, G] row; ``_merge_partials_kernel`` combines a position's n partials
-  in slot order (and writes the gated sum of the three branches, as the per-position kernel).
+* ``_block_fwd_kernel`` (``per_block``: groups of at most ``TUNING["selected_block_fwd"]
+  ["max_group"]`` heads): each entry's attention over its one block, normalised, with its
+  log-sum-exp, into a partial [B, T, H, n, G] row; ``_merge_partials_kernel`` combines a
+  position's n partials in slot order (and writes the gated sum of the three branches, as the
+  per-position kernel).
 * ``_block_bwd_kernel``: dK, dV of the block from the segment's entries, written directly
   when the segment is its list's only one, else as a partial per segment that
   ``_sum_segments_kernel`` adds up in segment order (``SUM_ROWS`` tokens a program); with
-  ``DQ``, also each entry's dq through this block, into a partial row that ``_sum_dq_kernel``
-  adds up over a position's slots in order. Deterministic: every partial has one writer, every
-  sum a fixed order, no atomics.
+  ``DQ`` (``dq_per_block``), also each entry's dq through this block, into a partial row that
+  ``_sum_dq_kernel`` adds up over a position's slots in order. Deterministic: every partial
+  has one writer, every sum a fixed order, no atomics.
 
 Partials cost 4 (Dv + 1) bytes (forward) and Dk elements of q's dtype (backward: dq's own
 precision) per (position, query head, slot): n times the branch's float32 output, which is why
@@ -72,9 +73,16 @@ SUM_ROWS = 16  # block tokens one program of the dK/dV partials' sum adds up
 
 
 def per_block(G: int) -> bool:
-    """Whether the selected forward and dq run per key block for groups of G heads (else one
-    program per position: selected.py)."""
+    """Whether the selected forward runs per key block for groups of G heads (else one program
+    per position: selected.py)."""
     return G <= TUNING["selected_block_fwd"]["max_group"]
+
+
+def dq_per_block(G: int) -> bool:
+    """Whether the selected dq runs per key block, inside the dK/dV kernel (else one program
+    per position): wherever the forward does, and up to ``TUNING["selected_dkdv"]
+    ["dq_max_group"]`` heads."""
+    return per_block(G) or G <= TUNING["selected_dkdv"]["dq_max_group"]
 
 
 def segment_entries(G: int) -> int:
