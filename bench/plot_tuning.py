@@ -15,7 +15,8 @@ from plotting import plot_arguments, plt
 def launch_label(row) -> str:
     keys = f"k{row['keys']} " if "keys" in row else ""
     transposed = " transposed" if row.get("transposed") else ""
-    return f"{keys}r{row['rows']} w{row['num_warps']} s{row['num_stages']}{transposed}"
+    rows = f"r{row['rows']} " if "rows" in row else ""  # none for the selected forward/dq
+    return f"{keys}{rows}w{row['num_warps']} s{row['num_stages']}{transposed}"
 
 
 def relative_times(rows):

@@ -164,15 +164,20 @@ def main(argv=None):
         for label, fn in work[family]:
             timings = []
             keyed = "keys" in default[family]
+            rowed = "rows" in default[family]  # the selected forward/dq: rows = the group's heads
             own_keys = launch_keys(family, args.dim) if keyed else None  # as shipped
             transposable = family in TRANSPOSABLE
             own_transposed = launch_transposed(family, HQ // H, args.dim)  # as shipped
             for rows, warps, n_stages, keys, transposed in grid:
                 if not keyed and keys != grid[0][3]:
                     continue  # a family without key tiles: each shape once
+                if not rowed and rows != grid[0][0]:
+                    continue  # ... and without a rows choice
                 if not transposable and transposed != grid[0][4]:
                     continue  # ... and without transposed tiles
-                shape = dict(rows=rows, num_warps=warps, num_stages=n_stages)
+                shape = dict(num_warps=warps, num_stages=n_stages)
+                if rowed:
+                    shape["rows"] = rows
                 if keyed:
                     shape["keys"] = own_keys if keys is None else keys
                 tuning = dict(default[family], **shape)
@@ -187,7 +192,7 @@ def main(argv=None):
                 except Exception as error:  # noqa: BLE001  (e.g. out of shared memory)
                     ms = float("inf")
                     print(f"  {family}/{label} {shape}: {type(error).__name__}")
-                timings.append((ms, rows, warps, n_stages, shape.get("keys"),
+                timings.append((ms, shape.get("rows"), warps, n_stages, shape.get("keys"),
                                 shape.get("transposed")))
                 results.append(dict(family=family, shape=where, **shape, ms=ms, shipped=False))
             TUNING[family] = dict(default[family])
@@ -195,13 +200,18 @@ def main(argv=None):
             if family in narrow:
                 NARROW_TUNING[family] = narrow[family]
             ms_default = gpu_ms(fn, CALLS, KERNELS[family])  # as shipped
-            rows_shipped, launch = launch_shape(family, HQ // H, args.dim)
-            results.append(dict(family=family, shape=where, rows=rows_shipped, **launch,
+            if rowed:
+                rows_shipped, launch = launch_shape(family, HQ // H, args.dim)
+                launch["rows"] = rows_shipped
+            else:
+                launch = {key: default[family][key] for key in ("num_warps", "num_stages")}
+            results.append(dict(family=family, shape=where, **launch,
                                 **({"keys": own_keys} if keyed else {}),
                                 **({"transposed": own_transposed} if transposable else {}),
                                 ms=ms_default, shipped=True))
             timings.sort(key=lambda t: t[0])
-            best = ", ".join(f"{ms:.3f}ms r{r}w{w}s{s}" + ("" if k is None else f"k{k}")
+            best = ", ".join(f"{ms:.3f}ms " + ("" if r is None else f"r{r}") + f"w{w}s{s}"
+                             + ("" if k is None else f"k{k}")
                              + ("t" if t else "") for ms, r, w, s, k, t in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
             if args.json:  # after every family: a call that runs out of time keeps the rows

@@ -50,7 +50,7 @@ CASES = [
 # ... and GPU-sized ones: every case in bf16, the first two also in fp16 and fp32.
 GPU_CASES = [
     (1, 2001, 8, 4, 128, 64, None, PAPER),  # G = 2, Dk != Dv
-    (1, 1500, 6, 1, 64, 192, None, PAPER),  # G = 6, Dv = 192
+    (1, 2500, 6, 1, 64, 192, None, PAPER),  # G = 6, Dv = 192: forward per position, dq per block
     (2, 1000, 16, 2, 64, 64, None, PAPER),  # G = 8
     (1, 1, 4, 4, 64, 64, None, PAPER),  # T = 1
     (1, 2100, 32, 2, 128, 128, [0, 1000, 1001, 2100], PAPER),  # G = 16, varlen

@@ -40,10 +40,11 @@ TUNING = {
     # two at 8k G = 16, 32k G = 1 and 4, with dq 2.1-2.3x (bench/NOTES.md, thirtieth session).
     # segment: most entries (positions) of a block's list one program takes, for the groups
     # whose forward runs per position. dq_max_group: the dq also runs per block (in this
-    # kernel) up to this group size where the forward runs per position (its partials are
-    # Dk elements of q's dtype per query row and slot): as the forward's until measured
-    # (bench/NOTES.md, thirty-second session).
-    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=1, segment=256, dq_max_group=4),
+    # kernel) up to this group size where the forward runs per position; 8 against 4 took the
+    # op's forward+backward at m7c 16k (G = 6) 3.85 -> 3.71 ms and at 32k G = 8 33.9 -> 28.9
+    # (bench/NOTES.md, thirty-third session). Its partials, Dk elements of q's dtype per query
+    # row and slot, are n times dq's size while a layer's backward runs (4.3 GB at 32k G = 8).
+    "selected_dkdv": dict(rows=64, num_warps=4, num_stages=1, segment=256, dq_max_group=8),
     # The selected forward and dq per key block for groups of at most max_group heads; larger
     # ones run one program per position (at G = 8 and 6 the per-block op was slower, also at
     # one stage). segment: as above for these groups; 1024 took the op at 32k G = 1 / 2 / 4
