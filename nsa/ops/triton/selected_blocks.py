@@ -28,11 +28,13 @@ products.
   has one writer, every sum a fixed order, no atomics.
 
 Partials cost 4 (Dv + 1) bytes (forward) and Dk elements of q's dtype (backward: dq's own
-precision) per (position, query head, slot): n times the branch's float32 output, which is why
-large groups keep the per-position forward and dq (their rows are already many; at 64k with 64
-heads of 128 the forward's partials would take 8.6 GB). The forward's stay float32: o_slc
-feeds the gate gradient, a dot product with do that 16-bit outputs put past its tolerance
-(bench/NOTES.md, v6).
+precision) per (position, query head, slot): n times the branch's float32 output or dq, for
+as long as one layer's forward or backward runs. That is why larger groups keep the
+per-position kernels, whose programs already have many rows: the forward above 4 heads (per
+block it was slower at 6 and 8: its partials' bytes), the dq above 8 (at 16 per block was 3 %
+faster for 2.4x the peak memory at 16k; at 64k with 64 heads of 128 its partials would take
+17 GB). The forward's stay float32: o_slc feeds the gate gradient, a dot product with do
+that 16-bit outputs put past its tolerance (bench/NOTES.md, v6).
 """
 
 from __future__ import annotations
