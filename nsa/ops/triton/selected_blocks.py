@@ -129,10 +129,12 @@ def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr
 
 
 @triton.jit
-def _single_segment(SEG_FIRST, list_id):
-    """Whether a list is one segment long: its block's dK/dV program writes dK/dV itself and
-    ``_sum_segments_kernel`` leaves it alone."""
-    return tl.load(SEG_FIRST + list_id + 1) - tl.load(SEG_FIRST + list_id) == 1
+def _list_segments(SEG_FIRST, list_id):
+    """(first segment, end segment, whether the list is one segment long: then its block's
+    dK/dV program writes dK/dV itself and ``_sum_segments_kernel`` leaves it alone)."""
+    first = tl.load(SEG_FIRST + list_id)
+    end = tl.load(SEG_FIRST + list_id + 1)
+    return first, end, end - first == 1
 
 
 @triton.jit
@@ -173,7 +175,8 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
     e_full = e_lo + tl.sum((in_seg & (t < s_hi - 1)).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     # The list's only segment (an unused program's segment is empty, never alone).
-    alone = _single_segment(SEG_FIRST, list_id) & (e_hi > e_lo)
+    _, _, single = _list_segments(SEG_FIRST, list_id)
+    alone = single & (e_hi > e_lo)
     return b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone
 
 
@@ -396,9 +399,8 @@ def _sum_segments_kernel(
     segment writes its own rows; none: zeros). Every token is in one block of its sequence:
     every row is written."""
     list_id = tl.program_id(0)
-    if not _single_segment(SEG_FIRST, list_id):
-        first = tl.load(SEG_FIRST + list_id)
-        end = tl.load(SEG_FIRST + list_id + 1)
+    first, end, single = _list_segments(SEG_FIRST, list_id)
+    if not single:
         pid_bh = list_id // NUM_GLOBAL_BLOCKS
         gblock = list_id % NUM_GLOBAL_BLOCKS
         b = (pid_bh // H).to(tl.int64)
