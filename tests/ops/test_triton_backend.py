@@ -6,6 +6,8 @@ Outputs and every gradient are compared with the reference computed in float64 o
 selected blocks; the selection itself is compared modulo near-ties.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -258,6 +260,45 @@ def test_segmented_backward_equals_unsegmented(monkeypatch):
         monkeypatch.setitem(TUNING, kind, dict(TUNING[kind], segment=3))
     split = grads()
     for name, a, b in zip(INPUTS, split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", [(1, 61, 4, 2, 16, 16, [0, 9, 61], SMALL),
+                                  (2, 61, 6, 2, 16, 8, None, SMALL),
+                                  (1, 61, 12, 2, 16, 16, None, SMALL)],
+                         ids=["varlen-G2", "G3-Dk-ne-Dv", "G6-dq-only"])
+def test_chunked_partials_equal_one_chunk(case, monkeypatch):
+    """The per-block kernels over chunks of positions (``PARTIALS_BYTES`` small: chunks of a
+    few positions, the last one shorter) equal one chunk: the output and dq bitwise (each
+    entry's partial and each position's sum are the same), dK / dV summed over the chunks
+    within float32 rounding. G = 2 and 3 run the forward and dq per block, G = 6 the dq."""
+    from nsa.ops.triton import selected_blocks
+
+    x, cu_seqlens = make_inputs(*case, torch.float32)
+
+    def run():
+        inputs = {name: t.clone().requires_grad_() for name, t in x.items()}
+        out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
+                                v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton",
+                                **SMALL)
+        return (out, *torch.autograd.grad(out.square().sum(), [inputs[n] for n in INPUTS]))
+
+    whole = run()
+    chunks = []
+    position_chunks = selected_blocks.position_chunks
+    monkeypatch.setattr(selected_blocks, "position_chunks",
+                        lambda *a: chunks.append(position_chunks(*a)) or chunks[-1])
+    monkeypatch.setattr(selected_blocks, "PARTIALS_BYTES", 10_000)
+    chunked = run()
+    T = case[1]
+    for spans in chunks:  # in order, covering 0 .. T - 1
+        starts = itertools.accumulate([0] + [n for _, n in spans[:-1]])
+        assert [t0 for t0, _ in spans] == list(starts)
+        assert sum(n for _, n in spans) == T
+    assert max(len(spans) for spans in chunks) > 2
+    for name, a, b in zip(("out", *INPUTS), chunked, whole):
+        if name in ("out", "q"):
+            assert torch.equal(a, b), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 

@@ -17,7 +17,7 @@ products.
 
 * ``_block_fwd_kernel`` (``per_block``: groups of at most ``TUNING["selected_block_fwd"]
   ["max_group"]`` heads): each entry's attention over its one block, normalised, with its
-  log-sum-exp, into a partial [B, T, H, n, G] row; ``_merge_partials_kernel`` combines a
+  log-sum-exp, into a partial [B, TC, H, n, G] row; ``_merge_partials_kernel`` combines a
   position's n partials in slot order (and writes the gated sum of the three branches, as the
   per-position kernel).
 * ``_block_bwd_kernel``: dK, dV of the block from the segment's entries, written directly
@@ -28,13 +28,16 @@ products.
   has one writer, every sum a fixed order, no atomics.
 
 Partials cost 4 (Dv + 1) bytes (forward) and Dk elements of q's dtype (backward: dq's own
-precision) per (position, query head, slot): n times the branch's float32 output or dq, for
-as long as one layer's forward or backward runs. That is why larger groups keep the
+precision) per (position, query head, slot): n times the branch's float32 output or dq. So the
+kernels run over chunks of positions (``position_chunks``) whose partials take at most
+PARTIALS_BYTES, each chunk with its own inverse index, partials and sums (``T0``, ``TC``: its
+first position and length; a partial [B, TC, H, n, G] row per entry); with more than one
+chunk, dK and dV are summed over the chunks in float32, in order. Larger groups keep the
 per-position kernels, whose programs already have many rows: the forward above 4 heads (per
-block it was slower at 6 and 8: its partials' bytes), the dq above 8 (at 16 per block was 3 %
-faster for 2.4x the peak memory at 16k; at 64k with 64 heads of 128 its partials would take
-17 GB). The forward's stay float32: o_slc feeds the gate gradient, a dot product with do
-that 16-bit outputs put past its tolerance (bench/NOTES.md, v6).
+block it was slower at 6 and 8: its partials' bytes), the dq above 8 (at 16 per block it was
+3 % faster for 2.4x the peak memory at 16k). The forward's stay float32: o_slc feeds the gate
+gradient, a dot product with do that 16-bit outputs put past its tolerance (bench/NOTES.md,
+v6).
 """
 
 from __future__ import annotations
@@ -72,6 +75,21 @@ from nsa.ops.triton.launch import (
 from nsa.ops.triton.tables import KernelTables, i32
 
 SUM_ROWS = 16  # block tokens one program of the dK/dV partials' sum adds up
+# The most bytes of partials (forward, or the backward's dq) one chunk of positions writes: the
+# per-block kernels run over chunks of positions whose partials fit (``position_chunks``).
+PARTIALS_BYTES = 2**31
+CHUNK_ALIGN = 64  # chunks of at least this many positions are a multiple of it
+
+
+def position_chunks(T: int, bytes_per_position: int) -> list[tuple[int, int]]:
+    """(first position, positions) of the chunks, in order, that cover positions 0 .. T - 1
+    with at most PARTIALS_BYTES of partials each (and one position at least): as few as
+    that allows, of near-equal lengths."""
+    most = max(1, PARTIALS_BYTES // max(bytes_per_position, 1))
+    size = cdiv(T, cdiv(T, most)) if T else 1
+    if most >= CHUNK_ALIGN:
+        size = min(most - most % CHUNK_ALIGN, cdiv(size, CHUNK_ALIGN) * CHUNK_ALIGN)
+    return [(t0, min(size, T - t0)) for t0 in range(0, max(T, 1), size)]
 
 
 def per_block(G: int) -> bool:
@@ -138,14 +156,15 @@ def _list_segments(SEG_FIRST, list_id):
 
 
 @triton.jit
-def _entry_position(entry, T, H, NUM_SELECTED: tl.constexpr):
-    """The position t of a flat selection index (b, t, h, slot)."""
-    return entry // (H * NUM_SELECTED) % T
+def _entry_position(entry, T0, TC, H, NUM_SELECTED: tl.constexpr):
+    """The position t of a flat index (b, t - T0, h, slot) of a chunk's selection [B, TC, H, n]
+    (positions T0 .. T0 + TC - 1: ``position_chunks``)."""
+    return T0 + entry // (H * NUM_SELECTED) % TC
 
 
 @triton.jit
 def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end,
-                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T, H,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T0, TC, H,
                    NUM_GLOBAL_BLOCKS, NUM_LISTS, DK: tl.constexpr, DV: tl.constexpr,
                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
                    P: tl.constexpr, NUM_SELECTED: tl.constexpr, SEGMENT: tl.constexpr,
@@ -171,7 +190,7 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
     # come first. Entries from e_full on see the whole block.
     e = e_lo + tl.arange(0, BLOCK_S)
     in_seg = e < e_hi
-    t = _entry_position(tl.load(ENTRIES + e, mask=in_seg, other=0), T, H, NUM_SELECTED)
+    t = _entry_position(tl.load(ENTRIES + e, mask=in_seg, other=0), T0, TC, H, NUM_SELECTED)
     e_full = e_lo + tl.sum((in_seg & (t < s_hi - 1)).to(tl.int32), axis=0)
     full_lo, full_hi, num_partial = split_tiles(e_lo, e_hi, e_full, e_hi, P)
     # The list's only segment (an unused program's segment is empty, never alone).
@@ -181,7 +200,7 @@ def _segment_block(SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_t
 
 
 @triton.jit
-def _entry_rows(ENTRIES, e_start, e_hi, T, H, G: tl.constexpr, NUM_SELECTED: tl.constexpr,
+def _entry_rows(ENTRIES, e_start, e_hi, T0, TC, H, G: tl.constexpr, NUM_SELECTED: tl.constexpr,
                 BLOCK_R: tl.constexpr):
     """The rows of the P = BLOCK_R // G entries from e_start (below e_hi) x G heads: (position
     t (int64), query head offset g in the group, row mask, partial row (entry·G + g, int64))."""
@@ -191,18 +210,18 @@ def _entry_rows(ENTRIES, e_start, e_hi, T, H, G: tl.constexpr, NUM_SELECTED: tl.
     row_ok = (r < P * G) & (e < e_hi)
     entry = tl.load(ENTRIES + e, mask=row_ok, other=0).to(tl.int64)
     g = r % G
-    return _entry_position(entry, T, H, NUM_SELECTED), g, row_ok, entry * G + g
+    return _entry_position(entry, T0, TC, H, NUM_SELECTED), g, row_ok, entry * G + g
 
 
 @triton.jit
 def _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, b, h,
-                    stride_qb, stride_qt, stride_qh, T, H, scale_log2, G: tl.constexpr,
+                    stride_qb, stride_qt, stride_qh, T0, TC, H, scale_log2, G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
                     IEEE: tl.constexpr, PARTIAL: tl.constexpr):
     """Attention of a tile of entries over the block (keys s <= t), stored normalised as
     partial rows with their log-sum-exps."""
-    t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T, H, G, NUM_SELECTED, BLOCK_R)
+    t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T0, TC, H, G, NUM_SELECTED, BLOCK_R)
     q = load_tile(Q + b * stride_qb + t * stride_qt + (h * G + g) * stride_qh, row_ok, DK,
                   BLOCK_DK)
     valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
@@ -220,27 +239,27 @@ def _block_fwd_kernel(
     Q, K, V, O_PART, LSE_PART, block_token_start, block_token_end, SEG_FIRST, OFFSETS, ENTRIES,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    T, H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2,
+    T0, TC, H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
-    """Partial outputs O_PART [B·T·H·n·G, DV] and log-sum-exps LSE_PART of one segment's
+    """Partial outputs O_PART [B·TC·H·n·G, DV] and log-sum-exps LSE_PART of one segment's
     entries over its block."""
     P: tl.constexpr = BLOCK_R // G
     b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, _ = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
-        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T, H, NUM_GLOBAL_BLOCKS,
+        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T0, TC, H, NUM_GLOBAL_BLOCKS,
         NUM_LISTS, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_S, P, NUM_SELECTED, SEGMENT, SEARCH_STEPS)
     for i in range(0, num_partial):
         _attend_entries(partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, k, v, Q,
-                        ENTRIES, O_PART, LSE_PART, b, h, stride_qb, stride_qt, stride_qh, T, H,
+                        ENTRIES, O_PART, LSE_PART, b, h, stride_qb, stride_qt, stride_qh, T0, TC, H,
                         scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE,
                         True)
     for e_start in range(full_lo, full_hi, P):
         _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, b, h,
-                        stride_qb, stride_qt, stride_qh, T, H, scale_log2, G, DK, DV, BLOCK_DK,
+                        stride_qb, stride_qt, stride_qh, T0, TC, H, scale_log2, G, DK, DV, BLOCK_DK,
                         BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, False)
 
 
@@ -259,25 +278,27 @@ def position_program(TOK_POS, H, BLOCK_G: tl.constexpr, NUM_SELECTED: tl.constex
 
 
 @triton.jit
-def _position_slots(TOK_POS, T, H, G: tl.constexpr, BLOCK_G: tl.constexpr,
+def _position_slots(TOK_POS, T0, TC, H, G: tl.constexpr, BLOCK_G: tl.constexpr,
                     NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
-    """``position_program`` for a sum over slots: (b, t, query heads hq [BLOCK_G], row mask,
-    the partial row of slot 0 per head (int64; slot i's is G·i further), slots in use)."""
-    b, h, t, _, g, num_blocks = position_program(TOK_POS, H, BLOCK_G, NUM_SELECTED, SEL_BLOCK)
-    first = ((b * T + t) * H + h) * NUM_SELECTED * G + g
-    return b, t, h * G + g, g < G, first, num_blocks
+    """``position_program`` for a sum over slots of a chunk's partials (program t - T0 of
+    positions T0 .. T0 + TC - 1): (b, t, query heads hq [BLOCK_G], row mask, the partial row of
+    slot 0 per head (int64; slot i's is G·i further), slots in use)."""
+    b, h, t, _, g, num_blocks = position_program(TOK_POS + T0, H, BLOCK_G, NUM_SELECTED,
+                                                 SEL_BLOCK)
+    first = ((b * TC + t) * H + h) * NUM_SELECTED * G + g
+    return b, T0 + t, h * G + g, g < G, first, num_blocks
 
 
 @triton.jit
 def _merge_partials_kernel(
     O_PART, LSE_PART, O, LSE, TOK_POS, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    T, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
+    T, T0, TC, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
     G: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr, GATED: tl.constexpr,
 ):
     """O, LSE of position t's G heads from its slots' partials (a softmax over their
     log-sum-exps, in slot order); with GATED, also OUT, the gated sum (gating.py)."""
-    b, t, hq, row_ok, first, num_blocks = _position_slots(TOK_POS, T, H, G, BLOCK_G,
+    b, t, hq, row_ok, first, num_blocks = _position_slots(TOK_POS, T0, TC, H, G, BLOCK_G,
                                                           NUM_SELECTED, SEL_BLOCK)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -301,14 +322,14 @@ def _merge_partials_kernel(
 @triton.jit
 def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, LSE, DELTA,
                        ENTRIES, DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
-                       stride_ot, stride_oh, stride_lb, stride_lt, T, H, scale_log2, scale,
+                       stride_ot, stride_oh, stride_lb, stride_lt, T0, TC, H, scale_log2, scale,
                        G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
                        NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
                        DQ: tl.constexpr):
     """Fold a tile of entries into the block's dK, dV; with DQ, store their dq partial rows
     (dS k, a PARTIAL tile multiplying k's finite part)."""
-    t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T, H, G, NUM_SELECTED, BLOCK_R)
+    t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T0, TC, H, G, NUM_SELECTED, BLOCK_R)
     q, do, gate, lse, delta = query_rows_tile(
         Q, DO, GATE, LSE, DELTA, b, t, h * G + g, row_ok, stride_qb, stride_qt, stride_qh,
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
@@ -331,7 +352,7 @@ def _block_bwd_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    T, H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
+    T0, TC, H, NUM_GLOBAL_BLOCKS, NUM_LISTS, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
@@ -340,11 +361,11 @@ def _block_bwd_kernel(
     """dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list: into
     DK_OUT, DV_OUT (their dtypes) when the segment is the whole list, else as partials DK_PART,
     DV_PART [segment·BLOCK_S + row, BLOCK_D] for ``_sum_segments_kernel``; with DQ, the
-    segment's dq partial rows DQ_PART [B·T·H·n·G, DK]."""
+    segment's dq partial rows DQ_PART [B·TC·H·n·G, DK] (positions T0 .. T0 + TC - 1)."""
     P: tl.constexpr = BLOCK_R // G
     b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
-        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T, H, NUM_GLOBAL_BLOCKS,
+        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, T0, TC, H, NUM_GLOBAL_BLOCKS,
         NUM_LISTS, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_S, P, NUM_SELECTED, SEGMENT, SEARCH_STEPS)
     acc_k = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
@@ -352,13 +373,13 @@ def _block_bwd_kernel(
         acc_k, acc_v = _block_bwd_entries(
             partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, k, v, acc_k, acc_v, Q,
             DO, GATE, LSE, DELTA, ENTRIES, DQ_PART, b, h, stride_qb, stride_qt, stride_qh,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, T, H, scale_log2, scale, G,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G,
             DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, True, DQ)
     for e_start in range(full_lo, full_hi, P):
         acc_k, acc_v = _block_bwd_entries(
             e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, LSE, DELTA, ENTRIES,
             DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, T, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
+            stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
             BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
     if alone:
         s64 = s.to(tl.int64)
@@ -416,13 +437,13 @@ def _sum_segments_kernel(
 
 @triton.jit
 def _sum_dq_kernel(
-    DQ_PART, DQ_IN, DQ_OUT, TOK_POS, stride_qb, stride_qt, stride_qh, T, H,
+    DQ_PART, DQ_IN, DQ_OUT, TOK_POS, stride_qb, stride_qt, stride_qh, T0, TC, H,
     G: tl.constexpr, DK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dq of position t's G heads = the sum of its slots' partials, in slot order (plus DQ_IN's
     rows when ACCUMULATE), stored at DQ_OUT in its dtype."""
-    b, t, hq, row_ok, first, num_blocks = _position_slots(TOK_POS, T, H, G, BLOCK_G,
+    b, t, hq, row_ok, first, num_blocks = _position_slots(TOK_POS, T0, TC, H, G, BLOCK_G,
                                                           NUM_SELECTED, SEL_BLOCK)
     acc = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
     for slot in range(0, num_blocks):
@@ -467,13 +488,16 @@ class InverseIndex:
     cut into segments of at most ``segment`` entries."""
 
     def __init__(self, idx: torch.Tensor, tables: KernelTables, params: NSAParams,
-                 segment: int):
-        B, T, H, n = idx.shape
+                 segment: int, t0: int):
+        """``idx`` [B, TC, H, n]: the selection of positions t0 .. t0 + TC - 1."""
+        B, TC, H, n = idx.shape
         num_global, self.block_start, self.block_end, list_first, boundaries = (
             _selection_blocks(tables, params, B, H))
+        list_first = list_first[:, t0:t0 + TC]
         list_id = torch.where(idx >= 0, list_first + idx, B * H * num_global)
         order = torch.sort(list_id.flatten(), stable=True)
-        # Flat (b, t, h, slot) indices, each list ascending in t; int64 past int32's range.
+        # Flat (b, t - t0, h, slot) indices, each list ascending in t; int64 past int32's
+        # range.
         self.entries = order.indices if idx.numel() >= 2**31 else i32(order.indices)
         self.offsets = torch.searchsorted(order.values, boundaries, out_int32=True)
         self.num_global = num_global
@@ -504,23 +528,25 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
     """The selected forward per key block -> (o, lse2), as ``selected.position_forward``."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     n = params.num_selected
-    index = InverseIndex(idx, tables, params, segment_entries(G))
-    o_part = torch.empty(B * T * H * n * G, Dv, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(B * T * H * n * G, dtype=torch.float32, device=q.device)
     R, launch = launch_shape("selected_block_fwd", G, max(Dk, Dv), q.element_size())
     meta = block_meta(q, k, v, params)
-    _block_fwd_kernel[(index.num_segments,)](
-        q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
-        T, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
-        **index.meta(), **launch,
-    )
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    _merge_partials_kernel[(T, B * H)](
-        o_part, lse_part, o, lse, tables.tok_pos, *strides(o), *lse.stride()[:2], T, H,
-        scale * LOG2E, **gated_sum_args(gated, o), G=G, DV=Dv, BLOCK_G=pow2(G),
-        BLOCK_DV=pow2(Dv), NUM_SELECTED=n, SEL_BLOCK=params.sel_block, num_warps=1,
-    )
+    # Per chunk: partials [B, TC, H, n, G] of Dv + 1 floats.
+    for t0, TC in position_chunks(T, B * H * n * G * (Dv + 1) * 4):
+        index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
+        o_part = torch.empty(B * TC * H * n * G, Dv, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B * TC * H * n * G, dtype=torch.float32, device=q.device)
+        _block_fwd_kernel[(index.num_segments,)](
+            q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
+            t0, TC, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
+            **index.meta(), **launch,
+        )
+        _merge_partials_kernel[(TC, B * H)](
+            o_part, lse_part, o, lse, tables.tok_pos, *strides(o), *lse.stride()[:2], T, t0,
+            TC, H, scale * LOG2E, **gated_sum_args(gated, o), G=G, DV=Dv, BLOCK_G=pow2(G),
+            BLOCK_DV=pow2(Dv), NUM_SELECTED=n, SEL_BLOCK=params.sel_block, num_warps=1,
+        )
     return o, lse
 
 
@@ -530,33 +556,51 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     dtypes of k and v. With ``dq`` (float32), also this branch's dq per block: into ``dq_out``
     (default ``dq``), added to ``dq`` when ``accumulate``."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    n = params.num_selected
     meta = block_meta(q, k, v, params)
-    index = InverseIndex(idx, tables, params, segment_entries(G))
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
-    dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32, device=q.device)
-    dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32, device=q.device)
-    # dq partials in q's dtype: each slot's rounding is one of the kind dq's own gets.
-    dq_part = (dk_part if dq is None else
-               torch.empty(idx.numel() * G, Dk, dtype=q.dtype, device=q.device))
+    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
+    # Per chunk with dq: partials [B, TC, H, n, G] of Dk elements in q's dtype (each slot's
+    # rounding is one of the kind dq's own gets).
+    chunks = position_chunks(T, 0 if dq is None else B * H * n * G * Dk * q.element_size())
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
-    _block_bwd_kernel[(index.num_segments,)](
-        q, k, v, grad.do, grad.gate, lse, delta, dk, dv, dk_part, dv_part, dq_part,
-        *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
-        *lse.stride()[:2], *strides(dk), *strides(dv), T, H, index.num_global,
-        index.num_lists, scale * LOG2E, scale,
-        BLOCK_R=R, DQ=dq is not None, **meta, **index.meta(), **launch,
-    )
-    _sum_segments_kernel[(index.num_lists, cdiv(bs, SUM_ROWS))](
-        dk_part, dv_part, dk, dv, index.block_start, index.block_end, index.seg_first,
-        *strides(dk), *strides(dv), H, index.num_global, DK_DIM=Dk, DV_DIM=Dv, BLOCK_DK=bdk,
-        BLOCK_DV=bdv, BLOCK_S=bs, ROWS=min(SUM_ROWS, bs),
-    )
-    if dq is not None:
-        _sum_dq_kernel[(T, B * H)](
-            dq_part, dq, dq if dq_out is None else dq_out, tables.tok_pos, *strides(q), T, H,
-            G=G, DK=Dk, BLOCK_G=pow2(G), BLOCK_DK=bdk, NUM_SELECTED=params.num_selected,
-            SEL_BLOCK=params.sel_block, ACCUMULATE=accumulate, num_warps=1,
+    dk_chunk, dv_chunk = dk, dv
+    if len(chunks) > 1:  # each chunk's dK, dV in float32, added up in chunk order
+        dk_chunk, dv_chunk = (torch.empty(x.shape, dtype=torch.float32, device=x.device)
+                              for x in (k, v))
+        dk_sum, dv_sum = torch.zeros_like(dk_chunk), torch.zeros_like(dv_chunk)
+    for t0, TC in chunks:
+        index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
+        dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32,
+                              device=q.device)
+        dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32,
+                              device=q.device)
+        dq_part = (dk_part if dq is None else
+                   torch.empty(B * TC * H * n * G, Dk, dtype=q.dtype, device=q.device))
+        _block_bwd_kernel[(index.num_segments,)](
+            q, k, v, grad.do, grad.gate, lse, delta, dk_chunk, dv_chunk, dk_part, dv_part,
+            dq_part, *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
+            *lse.stride()[:2], *strides(dk_chunk), *strides(dv_chunk), t0, TC, H,
+            index.num_global, index.num_lists, scale * LOG2E, scale,
+            BLOCK_R=R, DQ=dq is not None, **meta, **index.meta(), **launch,
         )
+        _sum_segments_kernel[(index.num_lists, cdiv(bs, SUM_ROWS))](
+            dk_part, dv_part, dk_chunk, dv_chunk, index.block_start, index.block_end,
+            index.seg_first, *strides(dk_chunk), *strides(dv_chunk), H, index.num_global,
+            DK_DIM=Dk, DV_DIM=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_S=bs,
+            ROWS=min(SUM_ROWS, bs),
+        )
+        if dq is not None:
+            _sum_dq_kernel[(TC, B * H)](
+                dq_part, dq, dq if dq_out is None else dq_out, tables.tok_pos, *strides(q),
+                t0, TC, H, G=G, DK=Dk, BLOCK_G=pow2(G), BLOCK_DK=bdk, NUM_SELECTED=n,
+                SEL_BLOCK=params.sel_block, ACCUMULATE=accumulate, num_warps=1,
+            )
+        if len(chunks) > 1:
+            dk_sum += dk_chunk
+            dv_sum += dv_chunk
+    if len(chunks) > 1:
+        dk.copy_(dk_sum)
+        dv.copy_(dv_sum)
     return dk, dv
