@@ -205,6 +205,15 @@ def compressed_update(dtype, compressor, D=16, block=4):
                              out, dtype, rope)
 
 
+def in_chunks(work):
+    """``work`` with the per-block selected kernels run over chunks of positions (their
+    partials' budget made small), so that dK/dV are added up over the chunks in the kernels."""
+    from nsa.ops.triton import selected_blocks
+
+    with mock.patch.object(selected_blocks, "PARTIALS_BYTES", 50_000):
+        work()
+
+
 def everything():
     for compressor in ("mlp", "mean"):
         compressed_update(torch.bfloat16, compressor)
@@ -221,6 +230,7 @@ def everything():
     # 128-wide rows), and G = 16 (the selection's pipelined head loop), in bf16.
     attention_forward_backward(torch.bfloat16, 300, window=130, heads=(8, 2), dim=128)
     attention_forward_backward(torch.bfloat16, 300, window=130, heads=(32, 2))
+    in_chunks(lambda: attention_forward_backward(torch.bfloat16, 300, window=130))
 
 
 def test_every_recorded_launch_compiles_for_hopper(tmp_path):
@@ -230,6 +240,8 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
                for t in launch["types"].values())  # the TMA paths are among them
     assert any(launch["constants"].get("TRANSPOSED") for launch in launches)
     assert any(launch["constants"].get("HEAD_STAGES", 1) > 1 for launch in launches)
+    assert any(launch["kernel"] == "selected_blocks._block_bwd_kernel"
+               and launch["constants"].get("ACCUMULATE") for launch in launches)  # in chunks
     # Compiled as the GPU specializes them: every launch has aligned pointers.
     assert all(any(launch["types"][n].startswith("*") for n in launch["aligned"])
                for launch in launches)

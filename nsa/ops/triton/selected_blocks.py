@@ -356,12 +356,13 @@ def _block_bwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, DQ: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list: into
-    DK_OUT, DV_OUT (their dtypes) when the segment is the whole list, else as partials DK_PART,
-    DV_PART [segment·BLOCK_S + row, BLOCK_D] for ``_sum_segments_kernel``; with DQ, the
-    segment's dq partial rows DQ_PART [B·TC·H·n·G, DK] (positions T0 .. T0 + TC - 1)."""
+    DK_OUT, DV_OUT (their dtypes; added to them when ACCUMULATE) when the segment is the whole
+    list, else as partials DK_PART, DV_PART [segment·BLOCK_S + row, BLOCK_D] for
+    ``_sum_segments_kernel``; with DQ, the segment's dq partial rows DQ_PART [B·TC·H·n·G, DK]
+    (positions T0 .. T0 + TC - 1)."""
     P: tl.constexpr = BLOCK_R // G
     b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
@@ -383,10 +384,10 @@ def _block_bwd_kernel(
             BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
     if alone:
         s64 = s.to(tl.int64)
-        store_tile(DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh, acc_k * scale,
-                   k_ok, DK, BLOCK_DK)
-        store_tile(DV_OUT + b * stride_dvb + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV,
-                   BLOCK_DV)
+        dk_rows = DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh
+        dv_rows = DV_OUT + b * stride_dvb + s64 * stride_dvt + h * stride_dvh
+        accumulate_tile(dk_rows, dk_rows, acc_k * scale, k_ok, DK, BLOCK_DK, ACCUMULATE)
+        accumulate_tile(dv_rows, dv_rows, acc_v, k_ok, DV, BLOCK_DV, ACCUMULATE)
     else:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
         tl.store(DK_PART + rows[:, None] * BLOCK_DK + tl.arange(0, BLOCK_DK)[None, :],
@@ -397,15 +398,15 @@ def _block_bwd_kernel(
 @triton.jit
 def _sum_block_segments(PART, OUT, b, h, s, s_ok, rows, first, end, stride_b, stride_t,
                         stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+                        BLOCK_S: tl.constexpr, ROWS: tl.constexpr, ACCUMULATE: tl.constexpr):
     """OUT[b, s, h] (its dtype) = the sum of rows ``rows`` of the partials of segments
-    first..end-1, in order."""
+    first..end-1, in order (added to OUT when ACCUMULATE)."""
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for seg in range(first, end):
         acc += tl.load(PART + (rows.to(tl.int64) + seg * BLOCK_S)[:, None] * BLOCK_D + d[None, :])
-    tl.store(OUT + b * stride_b + s.to(tl.int64)[:, None] * stride_t + h * stride_h + d[None, :],
-             acc.to(OUT.dtype.element_ty), mask=s_ok[:, None] & (d[None, :] < D))
+    out_rows = OUT + b * stride_b + s.to(tl.int64) * stride_t + h * stride_h
+    accumulate_tile(out_rows, out_rows, acc, s_ok, D, BLOCK_D, ACCUMULATE)
 
 
 @triton.jit
@@ -414,14 +415,18 @@ def _sum_segments_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, H, NUM_GLOBAL_BLOCKS,
     DK_DIM: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """dK, dV [b, block tokens, h], ROWS of the block's tokens a program, = the sums of the
     block's segment partials in segment order, for the lists whose segments are not one (one
     segment writes its own rows; none: zeros). Every token is in one block of its sequence:
-    every row is written."""
+    every row is written. With ACCUMULATE the sums are added to dK, dV, and lists of no
+    segment are left alone."""
     list_id = tl.program_id(0)
-    first, end, single = _list_segments(SEG_FIRST, list_id)
-    if not single:
+    first, end, skip = _list_segments(SEG_FIRST, list_id)
+    if ACCUMULATE:
+        skip = skip | (end == first)
+    if not skip:
         pid_bh = list_id // NUM_GLOBAL_BLOCKS
         gblock = list_id % NUM_GLOBAL_BLOCKS
         b = (pid_bh // H).to(tl.int64)
@@ -430,9 +435,9 @@ def _sum_segments_kernel(
         s = tl.load(block_token_start + gblock) + rows
         s_ok = s < tl.load(block_token_end + gblock)
         _sum_block_segments(DK_PART, DK, b, h, s, s_ok, rows, first, end, stride_kb,
-                            stride_kt, stride_kh, DK_DIM, BLOCK_DK, BLOCK_S, ROWS)
+                            stride_kt, stride_kh, DK_DIM, BLOCK_DK, BLOCK_S, ROWS, ACCUMULATE)
         _sum_block_segments(DV_PART, DV, b, h, s, s_ok, rows, first, end, stride_vb,
-                            stride_vt, stride_vh, DV_DIM, BLOCK_DV, BLOCK_S, ROWS)
+                            stride_vt, stride_vh, DV_DIM, BLOCK_DV, BLOCK_S, ROWS, ACCUMULATE)
 
 
 @triton.jit
@@ -532,11 +537,13 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
     meta = block_meta(q, k, v, params)
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    # Per chunk: partials [B, TC, H, n, G] of Dv + 1 floats.
-    for t0, TC in position_chunks(T, B * H * n * G * (Dv + 1) * 4):
+    # Per chunk: partials [B, TC, H, n, G] of Dv + 1 floats, in buffers of the first (longest)
+    # chunk's size that every chunk reuses.
+    chunks = position_chunks(T, B * H * n * G * (Dv + 1) * 4)
+    o_part = torch.empty(B * chunks[0][1] * H * n * G, Dv, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(o_part.shape[0], dtype=torch.float32, device=q.device)
+    for t0, TC in chunks:
         index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
-        o_part = torch.empty(B * TC * H * n * G, Dv, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(B * TC * H * n * G, dtype=torch.float32, device=q.device)
         _block_fwd_kernel[(index.num_segments,)](
             q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
             t0, TC, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
@@ -561,35 +568,34 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     bs, bdk, bdv = meta["BLOCK_S"], meta["BLOCK_DK"], meta["BLOCK_DV"]
     R, launch = launch_shape("selected_dkdv", G, max(Dk, Dv), q.element_size())
     # Per chunk with dq: partials [B, TC, H, n, G] of Dk elements in q's dtype (each slot's
-    # rounding is one of the kind dq's own gets).
+    # rounding is one of the kind dq's own gets), in a buffer of the first (longest) chunk's
+    # size that every chunk reuses.
     chunks = position_chunks(T, 0 if dq is None else B * H * n * G * Dk * q.element_size())
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dk_chunk, dv_chunk = dk, dv
-    if len(chunks) > 1:  # each chunk's dK, dV in float32, added up in chunk order
-        dk_chunk, dv_chunk = (torch.empty(x.shape, dtype=torch.float32, device=x.device)
-                              for x in (k, v))
-        dk_sum, dv_sum = torch.zeros_like(dk_chunk), torch.zeros_like(dv_chunk)
+    dq_part = (None if dq is None else
+               torch.empty(B * chunks[0][1] * H * n * G, Dk, dtype=q.dtype, device=q.device))
+    # With more than one chunk, each chunk's dK/dV is added into float32 sums (in chunk order),
+    # cast at the end.
+    many = len(chunks) > 1
+    dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) if many else
+              torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
     for t0, TC in chunks:
         index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
         dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32,
                               device=q.device)
         dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32,
                               device=q.device)
-        dq_part = (dk_part if dq is None else
-                   torch.empty(B * TC * H * n * G, Dk, dtype=q.dtype, device=q.device))
         _block_bwd_kernel[(index.num_segments,)](
-            q, k, v, grad.do, grad.gate, lse, delta, dk_chunk, dv_chunk, dk_part, dv_part,
-            dq_part, *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
-            *lse.stride()[:2], *strides(dk_chunk), *strides(dv_chunk), t0, TC, H,
-            index.num_global, index.num_lists, scale * LOG2E, scale,
-            BLOCK_R=R, DQ=dq is not None, **meta, **index.meta(), **launch,
+            q, k, v, grad.do, grad.gate, lse, delta, dk, dv, dk_part, dv_part,
+            dk_part if dq_part is None else dq_part,  # (not read without dq)
+            *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
+            *lse.stride()[:2], *strides(dk), *strides(dv), t0, TC, H, index.num_global,
+            index.num_lists, scale * LOG2E, scale,
+            BLOCK_R=R, DQ=dq is not None, ACCUMULATE=many, **meta, **index.meta(), **launch,
         )
         _sum_segments_kernel[(index.num_lists, cdiv(bs, SUM_ROWS))](
-            dk_part, dv_part, dk_chunk, dv_chunk, index.block_start, index.block_end,
-            index.seg_first, *strides(dk_chunk), *strides(dv_chunk), H, index.num_global,
-            DK_DIM=Dk, DV_DIM=Dv, BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_S=bs,
-            ROWS=min(SUM_ROWS, bs),
+            dk_part, dv_part, dk, dv, index.block_start, index.block_end, index.seg_first,
+            *strides(dk), *strides(dv), H, index.num_global, DK_DIM=Dk, DV_DIM=Dv,
+            BLOCK_DK=bdk, BLOCK_DV=bdv, BLOCK_S=bs, ROWS=min(SUM_ROWS, bs), ACCUMULATE=many,
         )
         if dq is not None:
             _sum_dq_kernel[(TC, B * H)](
@@ -597,10 +603,6 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
                 t0, TC, H, G=G, DK=Dk, BLOCK_G=pow2(G), BLOCK_DK=bdk, NUM_SELECTED=n,
                 SEL_BLOCK=params.sel_block, ACCUMULATE=accumulate, num_warps=1,
             )
-        if len(chunks) > 1:
-            dk_sum += dk_chunk
-            dv_sum += dv_chunk
-    if len(chunks) > 1:
-        dk.copy_(dk_sum)
-        dv.copy_(dv_sum)
+    if many:
+        return dk.to(k.dtype), dv.to(v.dtype)
     return dk, dv
