@@ -77,7 +77,8 @@ from nsa.ops.triton.tables import KernelTables, i32
 SUM_ROWS = 16  # block tokens one program of the dK/dV partials' sum adds up
 # The most bytes of partials (forward, or the backward's dq) one chunk of positions writes: the
 # per-block kernels run over chunks of positions whose partials fit (``position_chunks``).
-PARTIALS_BYTES = 2**31
+# Each further chunk costs time (H200, 128k, 32/8/128: 4 GiB +3 %, 2 GiB +8 %; bench/NOTES.md).
+PARTIALS_BYTES = 2**32
 CHUNK_ALIGN = 64  # chunks of at least this many positions are a multiple of it
 
 
