@@ -21,7 +21,8 @@ import traceback
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+if __name__ == "__main__":  # (a test process on a GPU machine must keep its real launches)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 import torch  # noqa: E402
 from attention import make_nsa, nsa_inputs  # noqa: E402 (bench/attention.py)

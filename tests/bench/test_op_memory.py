@@ -7,7 +7,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import op_memory  # noqa: E402
+import pytest  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from nsa.ops.triton_support import TRITON_INTERPRET  # noqa: E402
 
 
 def test_peak_counts_the_live_allocations_by_site_with_addresses_reused():
@@ -20,6 +23,7 @@ def test_peak_counts_the_live_allocations_by_site_with_addresses_reused():
     assert sites == {"second at A": 80, "at B": 50, "at C": 90}
 
 
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="it skips the interpreter's launches (no GPU)")
 def test_the_op_peak_holds_its_float32_branch_outputs_and_launches_are_restored(capsys):
     run = InterpretedFunction.run
     T, HQ, D = 300, 4, 16
