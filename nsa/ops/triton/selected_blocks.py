@@ -494,13 +494,15 @@ class InverseIndex:
     cut into segments of at most ``segment`` entries."""
 
     def __init__(self, idx: torch.Tensor, tables: KernelTables, params: NSAParams,
-                 segment: int, t0: int):
-        """``idx`` [B, TC, H, n]: the selection of positions t0 .. t0 + TC - 1."""
-        B, TC, H, n = idx.shape
+                 segment: int, chunk: tuple[int, int]):
+        """``idx`` [B, T, H, n]: the selection; the index is of its chunk (t0, TC): positions
+        t0 .. t0 + TC - 1 (``position_chunks``)."""
+        t0, TC = chunk
+        B, _, H, _ = idx.shape
         num_global, self.block_start, self.block_end, list_first, boundaries = (
             _selection_blocks(tables, params, B, H))
-        list_first = list_first[:, t0:t0 + TC]
-        list_id = torch.where(idx >= 0, list_first + idx, B * H * num_global)
+        idx = idx[:, t0:t0 + TC]
+        list_id = torch.where(idx >= 0, list_first[:, t0:t0 + TC] + idx, B * H * num_global)
         order = torch.sort(list_id.flatten(), stable=True)
         # Flat (b, t - t0, h, slot) indices, each list ascending in t; int64 past int32's
         # range.
@@ -544,7 +546,7 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
     o_part = torch.empty(B * chunks[0][1] * H * n * G, Dv, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(o_part.shape[0], dtype=torch.float32, device=q.device)
     for t0, TC in chunks:
-        index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
+        index = InverseIndex(idx, tables, params, segment_entries(G), (t0, TC))
         _block_fwd_kernel[(index.num_segments,)](
             q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
             t0, TC, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
@@ -580,7 +582,7 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
     dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) if many else
               torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
     for t0, TC in chunks:
-        index = InverseIndex(idx[:, t0:t0 + TC], tables, params, segment_entries(G), t0)
+        index = InverseIndex(idx, tables, params, segment_entries(G), (t0, TC))
         dk_part = torch.empty(index.num_segments * bs, bdk, dtype=torch.float32,
                               device=q.device)
         dv_part = torch.empty(index.num_segments * bs, bdv, dtype=torch.float32,
