@@ -150,7 +150,8 @@ def _find_segment(SEG_FIRST, OFFSETS, seg, NUM_LISTS, SEARCH_STEPS: tl.constexpr
 @triton.jit
 def _list_segments(SEG_FIRST, list_id):
     """(first segment, end segment, whether the list is one segment long: then its block's
-    dK/dV program writes dK/dV itself and ``_sum_segments_kernel`` leaves it alone)."""
+    dK/dV program writes dK/dV itself and ``_sum_segments_kernel`` leaves it alone, unless
+    they ACCUMULATE)."""
     first = tl.load(SEG_FIRST + list_id)
     end = tl.load(SEG_FIRST + list_id + 1)
     return first, end, end - first == 1
@@ -360,10 +361,10 @@ def _block_bwd_kernel(
     SEARCH_STEPS: tl.constexpr, DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list: into
-    DK_OUT, DV_OUT (their dtypes; added to them when ACCUMULATE) when the segment is the whole
-    list, else as partials DK_PART, DV_PART [segment·BLOCK_S + row, BLOCK_D] for
-    ``_sum_segments_kernel``; with DQ, the segment's dq partial rows DQ_PART [B·TC·H·n·G, DK]
-    (positions T0 .. T0 + TC - 1)."""
+    DK_OUT, DV_OUT (their dtypes) when the segment is the whole list and not ACCUMULATE, else
+    as partials DK_PART, DV_PART [segment·BLOCK_S + row, BLOCK_D] for ``_sum_segments_kernel``
+    (with ACCUMULATE it adds every list's to dK, dV: this epilogue loads nothing); with DQ, the
+    segment's dq partial rows DQ_PART [B·TC·H·n·G, DK] (positions T0 .. T0 + TC - 1)."""
     P: tl.constexpr = BLOCK_R // G
     b, h, s, k_ok, k, v, e_hi, full_lo, full_hi, num_partial, e_lo, alone = _segment_block(
         SEG_FIRST, OFFSETS, ENTRIES, K, V, block_token_start, block_token_end, stride_kb,
@@ -383,12 +384,14 @@ def _block_bwd_kernel(
             DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
             BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
+    if ACCUMULATE:
+        alone = False
     if alone:
         s64 = s.to(tl.int64)
-        dk_rows = DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh
-        dv_rows = DV_OUT + b * stride_dvb + s64 * stride_dvt + h * stride_dvh
-        accumulate_tile(dk_rows, dk_rows, acc_k * scale, k_ok, DK, BLOCK_DK, ACCUMULATE)
-        accumulate_tile(dv_rows, dv_rows, acc_v, k_ok, DV, BLOCK_DV, ACCUMULATE)
+        store_tile(DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh, acc_k * scale,
+                   k_ok, DK, BLOCK_DK)
+        store_tile(DV_OUT + b * stride_dvb + s64 * stride_dvt + h * stride_dvh, acc_v, k_ok, DV,
+                   BLOCK_DV)
     else:
         rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
         tl.store(DK_PART + rows[:, None] * BLOCK_DK + tl.arange(0, BLOCK_DK)[None, :],
@@ -421,12 +424,14 @@ def _sum_segments_kernel(
     """dK, dV [b, block tokens, h], ROWS of the block's tokens a program, = the sums of the
     block's segment partials in segment order, for the lists whose segments are not one (one
     segment writes its own rows; none: zeros). Every token is in one block of its sequence:
-    every row is written. With ACCUMULATE the sums are added to dK, dV, and lists of no
-    segment are left alone."""
+    every row is written. With ACCUMULATE the sums of every list with segments (one too) are
+    added to dK, dV, and lists of no segment are left alone."""
     list_id = tl.program_id(0)
-    first, end, skip = _list_segments(SEG_FIRST, list_id)
+    first, end, single = _list_segments(SEG_FIRST, list_id)
     if ACCUMULATE:
-        skip = skip | (end == first)
+        skip = end == first
+    else:
+        skip = single
     if not skip:
         pid_bh = list_id // NUM_GLOBAL_BLOCKS
         gblock = list_id % NUM_GLOBAL_BLOCKS
