@@ -57,8 +57,9 @@ TUNING = {
     "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
-# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd/dq v20; cmp_dkdv v23;
-# cmp_dq's 64 keys v25: 128 was 4-89 % slower at D = 64).
+# measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
+# cmp_dq's 64 keys v25: 128 was 4-89 % slower at D = 64). The masked dq takes TUNING's 128 rows
+# at D = 64 too: 0.228-0.229 ms against 0.247-0.248 at v20's 64, three H200 runs (v34).
 NARROW_TUNING = {
     "cmp_dq": dict(rows=64, num_warps=4, num_stages=3, keys=64),
     "win_dq": dict(rows=64, num_warps=4, num_stages=3),
@@ -66,7 +67,6 @@ NARROW_TUNING = {
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
-    "masked_dq": dict(rows=64, num_warps=4, num_stages=3),
 }
 
 
