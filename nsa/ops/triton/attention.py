@@ -57,18 +57,18 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
     # Branch i's output gradient is gate[i] · grad_out: its kernels apply the gate.
     cmp_grad, slc_grad, win_grad = (BranchGrad(grad_out, g) for g in gate)
     # dq: the compressed branch writes the float32 sum, the selected branch adds to it, the
-    # window branch adds its own and writes the total in q's dtype (no zero fill, no cast).
+    # window branch adds its own and writes the total in q's dtype (no zero fill, no cast),
+    # into a dq allocated only then: not held through the selected branch's partials.
     dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk_cmp, dv_cmp = branch_backward(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], dq_sum,
+                                     tables, MODE_CMP, params, scale, kv_finite[0],
+                                     query_finite, accumulate=False)
+    dk, dv = selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables,
+                               params, scale, kv_finite[1])
     dq = torch.empty_like(q)
-    grads = (
-        branch_backward(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], dq_sum, tables, MODE_CMP,
-                        params, scale, kv_finite[0], query_finite, accumulate=False),
-        selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables, params,
-                          scale, kv_finite[1]),
-        branch_backward(q, k_win, v_win, win_grad, lse_win, delta[2], dq_sum, tables, MODE_WIN,
-                        params, scale, kv_finite[2], query_finite, dq_out=dq),
-    )
-    (dk_cmp, dv_cmp), (dk, dv), (dk_win, dv_win) = grads
+    dk_win, dv_win = branch_backward(q, k_win, v_win, win_grad, lse_win, delta[2], dq_sum,
+                                     tables, MODE_WIN, params, scale, kv_finite[2],
+                                     query_finite, dq_out=dq)
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
 
 
