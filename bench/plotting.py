@@ -24,13 +24,14 @@ def plot_arguments(doc: str, argv=None, add_options=None):
         return args, json.load(f)
 
 
-def bars(ax, labels, pairs, names, title):
-    """Side-by-side bars: for each label, one bar per series in ``names``."""
+def bars(ax, labels, pairs, names, title, unit="ms"):
+    """Side-by-side bars: for each label, one bar per series in ``names``; ``unit`` labels the
+    y axis."""
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
         ax.bar(xs, [p[i] for p in pairs], width, label=name)
     ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("ms")
+    ax.set_ylabel(unit)
     ax.set_title(title)
     ax.legend()
