@@ -4,8 +4,9 @@
     python bench/op_host.py --batch 1 --seq 16384
 
 The op is host-bound where the Python that issues its kernels takes longer than the GPU runs
-them (issue 11 asks host time below GPU time at the m7c shape, B = 8). K and V are strided
-views of one [B, T, 3, H, Dk + Dv] projection, as the layer passes them. Host time: ``--calls``
+them (issue 11 asks host time below GPU time at the m7c shape, B = 8). The inputs are shaped
+and laid out as the layer passes them (``layer_inputs``), so their backward costs what the
+layer's does. Host time: ``--calls``
 calls issued without a synchronize, median of ``--repeats``; GPU time: the kernels' time from
 torch.profiler (CUDA only). On the CPU (PyTorch backend) the two are one.
 """
@@ -21,16 +22,21 @@ from attention import PAPER  # bench/attention.py: the paper's block parameters
 from train_step import synchronize
 
 import nsa
+from nsa.layers.cache import split_kv_sets
 
 
 def layer_inputs(B, T, HQ, H, D, dtype, device):
-    """q, k, v, k_cmp, v_cmp, gates, k_win, v_win as an NSA layer passes them (leaves)."""
+    """q, k, v, k_cmp, v_cmp, gates, k_win, v_win as an NSA layer passes them. The values are
+    strided views of one K/V projection [B, T, 3, H, 2D], split as the layer splits it
+    (``split_kv_sets``: their backward is one stack and one concatenation). The queries and
+    keys are contiguous tensors, as the layer's RoPE kernel writes them. Everything else is a
+    leaf."""
     Tc = nsa.compressed_length(T, PAPER["cmp_block"], PAPER["cmp_stride"])
     make = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
-    kv = make(B, T, 3, H, 2 * D)
+    _, (_, v), (_, v_win) = split_kv_sets(make(B, T, 3, H, 2 * D), D)
     gates = torch.rand(B, T, HQ, 3, dtype=dtype, device=device, requires_grad=True)
-    return (make(B, T, HQ, D), kv[:, :, 1, :, :D], kv[:, :, 1, :, D:], make(B, Tc, H, D),
-            make(B, Tc, H, D), gates, kv[:, :, 2, :, :D], kv[:, :, 2, :, D:])
+    return (make(B, T, HQ, D), make(B, T, H, D), v, make(B, Tc, H, D), make(B, Tc, H, D), gates,
+            make(B, T, H, D), v_win)
 
 
 def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> dict:

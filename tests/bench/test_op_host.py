@@ -1,5 +1,6 @@
-"""bench/op_host.py on the CPU (PyTorch backend): one row of host times, and k/v passed as the
-layer passes them (strided views of one projection)."""
+"""bench/op_host.py on the CPU (PyTorch backend): one row of host times, and the inputs laid
+out as the layer passes them (values: strided views of one projection; queries and keys:
+contiguous, as RoPE writes them)."""
 
 import sys
 from pathlib import Path
@@ -19,8 +20,13 @@ def test_op_host_prints_host_times(capsys):
     assert 0 < float(fwd) and 0 < float(fwd_bwd) and gpu == "(CPU)"
 
 
-def test_layer_inputs_are_views_of_one_projection():
+def test_layer_inputs_are_laid_out_as_the_layer_passes_them():
     q, k, v, k_cmp, v_cmp, gates, k_win, v_win = op_host.layer_inputs(
         1, 8, 4, 2, 4, torch.float32, "cpu")
-    assert k._base is v._base is k_win._base is v_win._base
-    assert k.stride(-1) == 1 and not k.is_contiguous()
+    projection = v._base
+    assert projection is not None and v_win._base is projection
+    assert projection.shape == (1, 8, 3, 2, 8)  # [B, T, sets, H, Dk + Dv]
+    assert v.stride(-1) == 1 and not v.is_contiguous()
+    assert all(x.is_leaf and x.is_contiguous() for x in (q, k, k_win, k_cmp, v_cmp, gates))
+    # One autograd node per value, as in the layer: unbind's (its backward stacks the sets).
+    assert "Unbind" in type(v.grad_fn).__name__
