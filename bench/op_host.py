@@ -29,19 +29,23 @@ def layer_inputs(B, T, HQ, H, D, dtype, device):
     """q, k, v, k_cmp, v_cmp, gates, k_win, v_win as an NSA layer passes them. The values are
     strided views of one K/V projection [B, T, 3, H, 2D], split as the layer splits it
     (``split_kv_sets``: their backward is one stack and one concatenation). The queries and
-    keys are contiguous tensors, as the layer's RoPE kernel writes them. Everything else is a
-    leaf."""
+    keys are contiguous tensors, as the layer's RoPE kernel writes them. -> (the op's eight
+    inputs, the leaves their gradients reach: the projection in place of the values)."""
     Tc = nsa.compressed_length(T, PAPER["cmp_block"], PAPER["cmp_stride"])
     make = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
-    _, (_, v), (_, v_win) = split_kv_sets(make(B, T, 3, H, 2 * D), D)
+    projection = make(B, T, 3, H, 2 * D)
+    _, (_, v), (_, v_win) = split_kv_sets(projection, D)
     gates = torch.rand(B, T, HQ, 3, dtype=dtype, device=device, requires_grad=True)
-    return (make(B, T, HQ, D), make(B, T, H, D), v, make(B, Tc, H, D), make(B, Tc, H, D), gates,
-            make(B, T, H, D), v_win)
+    q, k, k_cmp, v_cmp, k_win = (make(B, T, HQ, D), make(B, T, H, D), make(B, Tc, H, D),
+                                 make(B, Tc, H, D), make(B, T, H, D))
+    return (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), (q, k, projection, k_cmp, v_cmp, gates,
+                                                           k_win)
 
 
 def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q, k, v, k_cmp, v_cmp, gates, k_win, v_win = layer_inputs(B, T, HQ, H, D, dtype, device)
+    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), leaves = layer_inputs(B, T, HQ, H, D, dtype,
+                                                                        device)
     grad = torch.randn_like(q)
 
     def forward():
@@ -49,7 +53,9 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
                                  **PAPER)
 
     def forward_backward():
-        forward().backward(grad)
+        # The gradients are returned, not accumulated into .grad: in the layer they flow on to
+        # the projections, with no addition into a leaf's gradient.
+        torch.autograd.grad(forward(), leaves, grad)
 
     result = {}
     for name, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):

@@ -21,11 +21,12 @@ def test_op_host_prints_host_times(capsys):
 
 
 def test_layer_inputs_are_laid_out_as_the_layer_passes_them():
-    q, k, v, k_cmp, v_cmp, gates, k_win, v_win = op_host.layer_inputs(
+    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), leaves = op_host.layer_inputs(
         1, 8, 4, 2, 4, torch.float32, "cpu")
     projection = v._base
-    assert projection is not None and v_win._base is projection
-    assert projection.shape == (1, 8, 3, 2, 8)  # [B, T, sets, H, Dk + Dv]
+    assert v_win._base is projection and projection.shape == (1, 8, 3, 2, 8)  # [B, T, sets, H, D]
+    expected = (q, k, projection, k_cmp, v_cmp, gates, k_win)
+    assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
     assert v.stride(-1) == 1 and not v.is_contiguous()
     assert all(x.is_leaf and x.is_contiguous() for x in (q, k, k_win, k_cmp, v_cmp, gates))
     # One autograd node per value, as in the layer: unbind's (its backward stacks the sets).
