@@ -226,6 +226,7 @@ def everything():
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
     attention_forward_backward(torch.float32, 300, window=130)
+    attention_forward_backward(torch.bfloat16, 40, window=9, heads=(2, 2))  # G = 1: step stages
     # G = 4 at the paper's head dim (the window dK/dV's transposed tiles, descriptor loads of
     # 128-wide rows), and G = 16 (the selection's pipelined head loop), in bf16.
     attention_forward_backward(torch.bfloat16, 300, window=130, heads=(8, 2), dim=128)
@@ -240,6 +241,7 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
                for t in launch["types"].values())  # the TMA paths are among them
     assert any(launch["constants"].get("TRANSPOSED") for launch in launches)
     assert any(launch["constants"].get("HEAD_STAGES", 1) > 1 for launch in launches)
+    assert any(launch["constants"].get("STEP_STAGES", 1) > 1 for launch in launches)
     assert any(launch["kernel"] == "selected_blocks._block_bwd_kernel"
                and launch["constants"].get("ACCUMULATE") for launch in launches)  # in chunks
     # Compiled as the GPU specializes them: every launch has aligned pointers.

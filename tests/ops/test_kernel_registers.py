@@ -30,17 +30,22 @@ def sm90_stack(kernel: str, types: dict, constants: dict, num_warps: int,
 
 
 @needs_cuda_tools
-def test_selection_kernel_spills_little_at_the_paper_shape():
-    """G = 16, D = 128, l/d/l' = 32/16/64, n = 16 with the tuned launch (64 positions, 4 warps,
-    128 compressed tokens per step, the head loop over TUNING's stages)."""
+@pytest.mark.parametrize("G", [16, 1])
+def test_selection_kernel_spills_little_with_its_loop_pipelined(G):
+    """D = 128, l/d/l' = 32/16/64, n = 16 with the tuned launch (64 positions, 4 warps, 128
+    compressed tokens per step): G = 16 with the head loop over TUNING's stages, G = 1 with
+    the step loop over its step stages (offline: 233 registers, no stack, against 216 with
+    one stage)."""
     tuning = TUNING["select"]
     tokens_per_block = 64 // 16
     step_blocks = tuning["tokens"] // tokens_per_block
-    constants = dict(G=16, DK=128, BLOCK_DK=128, BLOCK_P=tuning["rows"], NUM_SELECTED=16,
+    constants = dict(G=G, DK=128, BLOCK_DK=128, BLOCK_P=tuning["rows"], NUM_SELECTED=16,
                      BEST=16, BJ=step_blocks, TOK_PAD=step_blocks * tokens_per_block,
                      M_PAD=tokens_per_block, SPILL=1, CMP_BLOCK=32, CMP_STRIDE=16,
                      SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False,
-                     HEAD_STAGES=tuning["num_stages"], INDEX_BITS=10)  # int32 keys (64k)
+                     HEAD_STAGES=tuning["num_stages"] if G > 1 else 1,
+                     STEP_STAGES=tuning["step_stages"] if G == 1 else 1,
+                     INDEX_BITS=10)  # int32 keys (64k)
     types = dict(Q="*bf16", KC="*bf16", LSE="*fp32", IDX="*i32", tile_start="*i32",
                  tile_end="*i32", tile_seq_start="*i32", tile_cmp_start="*i32",
                  scale_log2="fp32")

@@ -29,9 +29,12 @@ TUNING = {
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=2, keys=64, transposed_min_group=4),
     # select: rows = positions of a tile (its G heads are looped), tokens = compressed tokens
-    # per step; stages: the head loop's (the step loop is not pipelined), for groups of at
-    # least staged_group heads (smaller groups lost more to the pipeline's prologue than it hid).
-    "select": dict(rows=64, num_warps=4, num_stages=3, tokens=128, staged_group=16),
+    # per step; num_stages: the head loop's, for groups of at least staged_group heads
+    # (smaller groups lost more to the pipeline's prologue than it hid); step_stages: the step
+    # loop's for one-head groups (Triton pipelines innermost loops only: at G = 1 no head
+    # loop is left inside it).
+    "select": dict(rows=64, num_warps=4, num_stages=3, tokens=128, staged_group=16,
+                   step_stages=2),
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned;
     # warps for head dim 128 (selected.py halves them for smaller heads).
     "selected_fwd": dict(num_warps=1, num_stages=2),

@@ -3,9 +3,11 @@
 ``_select_kernel``: one program per (tile of ``BLOCK_P`` consecutive positions of one sequence,
 KV head). Each step loads the compressed keys of ``BJ`` selection blocks once and, for each of
 the G query heads of the group in turn, recomputes the compressed probabilities from the
-compressed log-sum-exp and adds them up (the group score is a sum over heads); for large
-groups that head loop is software-pipelined, the next heads' q tiles loading while this
-head's products run (``HEAD_STAGES``; the step loop around it is not). A step's
+compressed log-sum-exp and adds them up (the group score is a sum over heads). One loop is
+software-pipelined: for large groups the head loop, the next heads' q tiles loading while this
+head's products run (``HEAD_STAGES``); for one-head groups, whose head loop the compiler
+removes, the step loop, the next step's compressed keys loading while this step's scores and
+top-n merge run (``STEP_STAGES``). A step's
 columns are ordered (token of a block, block), so the probabilities reshape to
 [positions, tokens per block, BJ]; a block's score is a weighted sum of its own tokens plus
 the shares of the tokens of the ``SPILL`` blocks before it, rolled along the blocks with
@@ -97,7 +99,7 @@ def _select_kernel(
     TOK_PAD: tl.constexpr, M_PAD: tl.constexpr, SPILL: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
-    HEAD_STAGES: tl.constexpr, INDEX_BITS: tl.constexpr,
+    HEAD_STAGES: tl.constexpr, STEP_STAGES: tl.constexpr, INDEX_BITS: tl.constexpr,
 ):
     """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
     tile = tl.program_id(0)
@@ -132,14 +134,17 @@ def _select_kernel(
     else:
         best = tl.full([BLOCK_P, BEST], -1, tl.int32)
     num_blocks = tl.max(tl.where(row_ok, current, -1), axis=0) + 1
-    for j0 in range(0, num_blocks, BJ):
+    # Triton pipelines innermost loops only: the step loop where G = 1 (no head loop left),
+    # its loads of the next steps' compressed keys issued STEP_STAGES - 1 steps ahead
+    # (cp.async).
+    for j0 in tl.range(0, num_blocks, BJ, num_stages=STEP_STAGES):
         i_loc = (j0 + col_block) * TOKENS_PER_BLOCK + col_token  # compressed index in the sequence
         k_ok = (col_token < TOKENS_PER_BLOCK) & (i_loc < num_cmp)
         kc = load_tile(KC + b * stride_kb + (cmp_start + i_loc).to(tl.int64) * stride_kt
                        + h * stride_kh, k_ok, DK, BLOCK_DK)
         p = tl.zeros([BLOCK_P, TOK_PAD], tl.float32)  # group probabilities, summed over heads
-        # The head loop is the one Triton pipelines (the innermost): its loads of the next
-        # heads' q tiles are issued HEAD_STAGES - 1 heads ahead (cp.async).
+        # With HEAD_STAGES > 1 the head loop is pipelined, its loads of the next heads' q
+        # tiles issued HEAD_STAGES - 1 heads ahead.
         for g in tl.range(G, num_stages=HEAD_STAGES):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
@@ -197,9 +202,11 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     blocks_per_step = max(best, next_pow2(spill + 1),
                           next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
     m_pad = next_pow2(tokens_per_block)
-    # Pipelined head loop: large groups, tiles narrow enough to pipeline.
+    # Pipelined head loop: large groups, tiles narrow enough to pipeline. Pipelined step
+    # loop: one-head groups.
     staged = G >= tuning["staged_group"] and tile_width(Dk, q.element_size()) <= 128
     head_stages = tuning["num_stages"] if staged else 1
+    step_stages = tuning["step_stages"] if G == 1 else 1
     # 16-bit inputs: int32 top-n keys (half the merge's compares) where the block index takes
     # few enough of the score's bits to keep it well inside the inputs' rounding.
     index_bits = max(1, (cdiv(T, params.sel_block) - 1).bit_length())
@@ -213,7 +220,8 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
         CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
-        HEAD_STAGES=head_stages, INDEX_BITS=index_bits if narrow_keys else 0,
+        HEAD_STAGES=head_stages, STEP_STAGES=step_stages,
+        INDEX_BITS=index_bits if narrow_keys else 0,
         num_warps=tuning["num_warps"], num_stages=1,
     )
     return idx
