@@ -384,9 +384,7 @@ def _block_bwd_kernel(
             DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
             BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
-    if ACCUMULATE:
-        alone = False
-    if alone:
+    if alone and not ACCUMULATE:
         s64 = s.to(tl.int64)
         store_tile(DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh, acc_k * scale,
                    k_ok, DK, BLOCK_DK)
