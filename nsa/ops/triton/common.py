@@ -40,6 +40,19 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def longest_first():
+    """(tile, pid_bh) of this program in a grid (tiles, B·H) whose tiles' work grows with the
+    tile's index (query tiles of a causal range). Programs start in the order of their linear
+    id (axis 0 fastest); that id is mapped to every (batch row, KV head)'s last tile, then
+    every one's second-to-last, and so on, so the programs that start last are the shortest
+    and the SMs finish together (a longest-first list schedule; bench/NOTES.md, v35)."""
+    num_tiles = tl.num_programs(0)
+    num_bh = tl.num_programs(1)
+    linear = tl.program_id(1) * num_tiles + tl.program_id(0)
+    return num_tiles - 1 - linear // num_bh, linear % num_bh
+
+
+@triton.jit
 def score_scale(scale_log2):
     """What q·k is multiplied by: min(s, 1) (see the module docstring)."""
     return tl.minimum(scale_log2, 1.0)

@@ -54,6 +54,7 @@ from nsa.ops.triton.common import (
     dq_tile,
     key_value_tile,
     load_tile,
+    longest_first,
     partial_tile,
     query_rows_tile,
     split_tiles,
@@ -99,14 +100,14 @@ def _bit_and(a, b):
 
 
 @triton.jit
-def _tile_rows(T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's rows: P = BLOCK_R // G positions from t_first x the G query heads of KV
-    head h -> (b, h, query heads hq, row mask, t (int64), t_first, t_last)."""
+def _tile_rows(tile, pid_bh, T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows of query tile ``tile`` of (batch row, KV head) ``pid_bh``: P = BLOCK_R // G
+    positions from t_first x the G query heads of KV head h -> (b, h, query heads hq, row
+    mask, t (int64), t_first, t_last)."""
     P: tl.constexpr = BLOCK_R // G
-    pid_bh = tl.program_id(1)
     h = pid_bh % H
     r = tl.arange(0, BLOCK_R)
-    t_first = tl.program_id(0) * P
+    t_first = tile * P
     t = t_first + r // G
     row_ok = (r < P * G) & (t < T)
     t_last = tl.minimum(t_first + P, T) - 1
@@ -169,8 +170,9 @@ def _masked_fwd_kernel(
     with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
     O_CMP, O_WIN and OUT have O's layout). Runs the programs whose KV_FINITE flag equals
     FINITE (module docstring)."""
-    b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
-    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+    tile, pid_bh = longest_first()
+    if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
+        b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
@@ -227,8 +229,9 @@ def _masked_dq_kernel(
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
     the programs whose KV_FINITE flag equals FINITE (module docstring)."""
-    b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(T, H, G, BLOCK_R)
-    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+    tile, pid_bh = longest_first()
+    if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
+        b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
         q, do, gate, lse, delta = query_rows_tile(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.params import LOG2E
-from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile
+from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile, longest_first
 from nsa.ops.triton.launch import TUNING, cdiv, next_pow2, pow2, shapes, strides, tile_width
 from nsa.ops.triton.tables import tile_table
 
@@ -102,8 +102,7 @@ def _select_kernel(
     HEAD_STAGES: tl.constexpr, STEP_STAGES: tl.constexpr, INDEX_BITS: tl.constexpr,
 ):
     """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
-    tile = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    tile, pid_bh = longest_first()
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     t0 = tl.load(tile_start + tile)
