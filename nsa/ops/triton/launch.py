@@ -32,7 +32,8 @@ TUNING = {
     # per step; num_stages: the head loop's, for groups of at least staged_group heads
     # (smaller groups lost more to the pipeline's prologue than it hid); step_stages: the step
     # loop's for one-head groups (Triton pipelines innermost loops only: at G = 1 no head
-    # loop is left inside it).
+    # loop is left inside it; 2 against 1: 32k 0.468 -> 0.428 ms, 64k 1.67 -> 1.52, 3 and 256
+    # tokens slower; bench/NOTES.md, v35).
     "select": dict(rows=64, num_warps=4, num_stages=3, tokens=128, staged_group=16,
                    step_stages=2),
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned;
