@@ -72,6 +72,9 @@ class _MaskedValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         probs, v, mask = ctx.saved_tensors
+        # Under autocast the forward's product ran in the autocast dtype, so grad may come in
+        # that dtype while probs and v (the same dtype) do not: take it in theirs.
+        grad = grad.to(v.dtype)
         finite_grad, poison = finite_part(grad)
         seen = torch.where(mask, probs + poison[..., None], torch.zeros_like(probs))
         dv = torch.matmul(seen.transpose(-1, -2), finite_grad).sum_to_size(v.shape)

@@ -61,6 +61,25 @@ def test_every_layer_parameter_gets_a_gradient(kv_sharing, compressor):
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_layer_trains_under_cpu_bf16_autocast():
+    """The PyTorch backend's backward under bf16 autocast (its value product ran in bf16, so
+    the output gradient comes in bf16 while the saved probabilities and values do not): the
+    gradients agree with float32's to bf16 precision."""
+    torch.manual_seed(0)
+    layer = NSAttention(make_config(backend="torch"))
+    x = torch.randn(2, 40, 32)
+    grads = []
+    for enabled in (False, True):
+        layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = layer(x)
+        out.float().square().sum().backward()
+        grads.append({name: p.grad.clone() for name, p in layer.named_parameters()})
+    for name, exact in grads[0].items():
+        torch.testing.assert_close(grads[1][name], exact, rtol=0.1,
+                                   atol=0.05 * exact.abs().max().item())
+
+
 @pytest.mark.parametrize("branch", BRANCHES)
 def test_a_forced_branch_leaves_no_parameter_without_a_gradient(branch):
     """The window-only ablation trains under DDP too: every parameter, the unused gates'
