@@ -5,7 +5,8 @@ At T = 2k with the paper's blocks (l' = 64, n = 16) a position selects up to hal
 blocks before it, so the branch is nearly causal attention; the per-position kernels of
 ``selected.py`` (one program per position and KV head, G rows) run it at ~50 TFLOP/s where
 causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x G heads of one
-KV head (as in ``compressed_window.py``) and the keys are the causal range in tiles of
+KV head (as in ``compressed_window.py``; the forward and dq start the last tiles first,
+``common.longest_first``) and the keys are the causal range in tiles of
 ``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned to
 selection blocks: whether a row selected a tile's block is one bit of its row mask (the OR of
 1 << block over its slots, ``masked_selection``, one word per (batch, position, KV head)

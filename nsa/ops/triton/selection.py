@@ -1,7 +1,8 @@
 """Block selection: the Triton kernel, then its launch wrapper.
 
 ``_select_kernel``: one program per (tile of ``BLOCK_P`` consecutive positions of one sequence,
-KV head). Each step loads the compressed keys of ``BJ`` selection blocks once and, for each of
+KV head), the last tiles (the most compressed keys) started first (``common.longest_first``).
+Each step loads the compressed keys of ``BJ`` selection blocks once and, for each of
 the G query heads of the group in turn, recomputes the compressed probabilities from the
 compressed log-sum-exp and adds them up (the group score is a sum over heads). One loop is
 software-pipelined: for large groups the head loop, the next heads' q tiles loading while this
