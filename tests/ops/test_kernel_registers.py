@@ -12,7 +12,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from nsa.ops.triton.launch import TUNING, launch_shape  # noqa: E402
-from nsa.ops.triton.selection import _select_kernel  # noqa: E402
+from nsa.ops.triton.selection import _select_kernel, loop_stages  # noqa: E402
 from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
 
 needs_cuda_tools = pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build has no CUDA tools")
@@ -37,14 +37,14 @@ def test_selection_kernel_spills_little_with_its_loop_pipelined(G):
     the step loop over its step stages (offline: 233 registers, no stack, against 216 with
     one stage)."""
     tuning = TUNING["select"]
+    head_stages, step_stages = loop_stages(G, 128, 2)  # bf16
     tokens_per_block = 64 // 16
     step_blocks = tuning["tokens"] // tokens_per_block
     constants = dict(G=G, DK=128, BLOCK_DK=128, BLOCK_P=tuning["rows"], NUM_SELECTED=16,
                      BEST=16, BJ=step_blocks, TOK_PAD=step_blocks * tokens_per_block,
                      M_PAD=tokens_per_block, SPILL=1, CMP_BLOCK=32, CMP_STRIDE=16,
                      SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False,
-                     HEAD_STAGES=tuning["num_stages"] if G > 1 else 1,
-                     STEP_STAGES=tuning["step_stages"] if G == 1 else 1,
+                     HEAD_STAGES=head_stages, STEP_STAGES=step_stages,
                      INDEX_BITS=10)  # int32 keys (64k)
     types = dict(Q="*bf16", KC="*bf16", LSE="*fp32", IDX="*i32", tile_start="*i32",
                  tile_end="*i32", tile_seq_start="*i32", tile_cmp_start="*i32",

@@ -188,6 +188,14 @@ def _select_kernel(
 # Launch wrappers -------------------------------------------------------------------------
 
 
+def loop_stages(G: int, Dk: int, element_size: int) -> tuple[int, int]:
+    """(HEAD_STAGES, STEP_STAGES) of a selection launch: the head loop pipelined for large
+    groups whose tiles are narrow enough to pipeline, the step loop for one-head groups."""
+    tuning = TUNING["select"]
+    staged = G >= tuning["staged_group"] and tile_width(Dk, element_size) <= 128
+    return (tuning["num_stages"] if staged else 1), (tuning["step_stages"] if G == 1 else 1)
+
+
 def select(q, k_cmp, lse_cmp, tables, params, scale):
     """[B, T, H, n] int32 selected blocks (ascending, -1 padded) from the compressed lse."""
     B, T, HQ, H, G, Dk, _ = shapes(q, k_cmp, k_cmp)
@@ -202,11 +210,7 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
     blocks_per_step = max(best, next_pow2(spill + 1),
                           next_pow2(max(1, tuning["tokens"] // tokens_per_block)))
     m_pad = next_pow2(tokens_per_block)
-    # Pipelined head loop: large groups, tiles narrow enough to pipeline. Pipelined step
-    # loop: one-head groups.
-    staged = G >= tuning["staged_group"] and tile_width(Dk, q.element_size()) <= 128
-    head_stages = tuning["num_stages"] if staged else 1
-    step_stages = tuning["step_stages"] if G == 1 else 1
+    head_stages, step_stages = loop_stages(G, Dk, q.element_size())
     # 16-bit inputs: int32 top-n keys (half the merge's compares) where the block index takes
     # few enough of the score's bits to keep it well inside the inputs' rounding.
     index_bits = max(1, (cdiv(T, params.sel_block) - 1).bit_length())
