@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nsa
-from nsa.ops.params import NSAParams
+from nsa.ops.params import LOG2E, NSAParams
 from nsa.ops.torch_backend import block_overlap, nsa_attention_torch
 from tests.ops.helpers import seeded_randn, transpose_dkdv_tiles
 
@@ -173,14 +173,16 @@ def test_triton_selection_maps_tokens_onto_blocks(l, d, ls):
     assert_valid_selection(idx, scores, params, None, 1e-4)
 
 
-def run_case(case, dtype):
+def run_case(case, dtype, scale=None):
+    """The Triton op (selection, output, gradients) against the float64 reference; ``scale``
+    default 1/sqrt(Dk)."""
     B, T, HQ, H, Dk, Dv, cu, p = case
     params = NSAParams(**p)
     x, cu_seqlens = make_inputs(*case, dtype)
-    scale = Dk**-0.5
+    scale = Dk**-0.5 if scale is None else scale
     poison_allocator()
-    idx = nsa.nsa_select(x["q"], x["k_cmp"], cu_seqlens=cu_seqlens, backend="triton",
-                         **{k: v for k, v in p.items() if k != "window"})
+    idx = nsa.nsa_select(x["q"], x["k_cmp"], cu_seqlens=cu_seqlens, scale=scale,
+                         backend="triton", **{k: v for k, v in p.items() if k != "window"})
     positions = None
     if T > LONG_CHECKED_POSITIONS:  # the dense score check would not fit: check a sample
         g = torch.Generator().manual_seed(1)
@@ -194,7 +196,8 @@ def run_case(case, dtype):
     inputs = {name: t.clone().requires_grad_() for name, t in x.items()}
     poison_allocator()
     out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
-                            v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton", **p)
+                            v_win=inputs["v_win"], cu_seqlens=cu_seqlens, scale=scale,
+                            backend="triton", **p)
     grad_out = seeded_randn(*out.shape).to(out)
     grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], grad_out)
     # The reference on the same blocks, in float64.
@@ -214,6 +217,15 @@ def run_case(case, dtype):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_triton_matches_reference_small(case):
     run_case(case, torch.float32)
+
+
+@pytest.mark.parametrize("s", [0.9, 1.1], ids=["s0.9", "s1.1"])
+@pytest.mark.parametrize("case", CASES[:2], ids=case_id)
+def test_triton_matches_reference_on_both_sides_of_a_unit_exp_scale(case, s):
+    """At s = scale · log2(e) <= 1 the compressed, window and masked kernels leave a multiply
+    and a clamp per pair out (launch.small_scale); s on both sides of 1, the masked kernels
+    (the first case) and the per-position ones (the second, varlen)."""
+    run_case(case, torch.float32, scale=s / LOG2E)
 
 
 def run_id(run):
@@ -402,6 +414,17 @@ def test_host_arithmetic_equals_tritons():
         for d in (1, 3, 16, 64, 129):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
     assert next_pow2(2**40 + 1) == 2**41
+
+
+def test_small_scale_is_an_exp_scale_of_one_in_float32():
+    """launch.small_scale holds exactly where the kernels' float32 s = scale · log2(e) is at
+    most 1: every head dim from 3 at the default scale, none of the huge scales."""
+    from nsa.ops.triton.launch import small_scale
+
+    for scale in (3**-0.5, 64**-0.5, 1 / LOG2E, 0.5 / LOG2E):
+        assert small_scale(scale) and torch.tensor(scale * LOG2E).item() <= 1.0, scale
+    for scale in (2**-0.5, 1.0, 1.0001 / LOG2E, 1e30, 2e38):
+        assert not small_scale(scale), scale
 
 
 def test_key_tiles_are_tuned_for_16_bit_tiles_only():

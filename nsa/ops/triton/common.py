@@ -59,9 +59,14 @@ def score_scale(scale_log2):
 
 
 @triton.jit
-def exp_scale(scale_log2):
-    """What score differences are multiplied by before exp2: max(s, 1)."""
-    return tl.maximum(scale_log2, 1.0)
+def exp_scale(scale_log2, SMALL_SCALE: tl.constexpr = False):
+    """What score differences are multiplied by before exp2: max(s, 1); 1 with SMALL_SCALE
+    (the launch's s <= 1, ``launch.small_scale``)."""
+    if SMALL_SCALE:  # one return (Triton compiles the statements after a return in an if)
+        factor = 1.0
+    else:
+        factor = tl.maximum(scale_log2, 1.0)
+    return factor
 
 
 @triton.jit
@@ -98,11 +103,15 @@ def per_row(x, TRANSPOSED: tl.constexpr = False):
 
 
 @triton.jit
-def exp_from(qk, ref, scale_log2, TRANSPOSED: tl.constexpr = False):
+def exp_from(qk, ref, scale_log2, TRANSPOSED: tl.constexpr = False,
+             SMALL_SCALE: tl.constexpr = False):
     """exp2 of (score - ref) in the units above, for products qk [rows, keys] (TRANSPOSED:
-    [keys, rows]) and per-row ref (a score): one fused multiply-add and one multiply per pair."""
-    return tl.exp2(tl.fma(qk, score_scale(scale_log2), -per_row(ref, TRANSPOSED))
-                   * exp_scale(scale_log2))
+    [keys, rows]) and per-row ref (a score): one fused multiply-add and one multiply per pair,
+    the multiply left out with SMALL_SCALE (s <= 1: it would be by 1)."""
+    exponent = tl.fma(qk, score_scale(scale_log2), -per_row(ref, TRANSPOSED))
+    if not SMALL_SCALE:
+        exponent = exponent * exp_scale(scale_log2)
+    return tl.exp2(exponent)
 
 
 @triton.jit
@@ -142,12 +151,13 @@ def partial_tile(i, lo, full_lo, full_hi, STEP: tl.constexpr):
 
 
 @triton.jit
-def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
+def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr,
+                 SMALL_SCALE: tl.constexpr = False):
     """Fold a tile of products q·k (-inf where masked) and its values into (m, l, acc)."""
     m_new = tl.maximum(m, max_score(qk, scale_log2))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((m - m_safe) * exp_scale(scale_log2))
-    p = exp_from(qk, m_safe, scale_log2)
+    alpha = tl.exp2((m - m_safe) * exp_scale(scale_log2, SMALL_SCALE))
+    p = exp_from(qk, m_safe, scale_log2, SMALL_SCALE=SMALL_SCALE)
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return m_new, l, acc
@@ -155,7 +165,8 @@ def softmax_step(qk, m, l, acc, v, scale_log2, IEEE: tl.constexpr):
 
 @triton.jit
 def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
-                PARTIAL: tl.constexpr, MASKED: tl.constexpr = True):
+                PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
+                SMALL_SCALE: tl.constexpr = False):
     """Fold a tile of keys and values into the online softmax (m, l, acc) of the rows q. A
     PARTIAL tile multiplies the finite part of v, then adds NaN to the rows that see a
     non-finite value (in a full tile p · v makes them non-finite; m and l stay as there).
@@ -163,9 +174,9 @@ def attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE: tl.constexpr,
     qk = masked_products(q, k, valid, IEEE, MASKED)
     if PARTIAL:
         v, v_poison = finite_part(v)
-        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
+        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE, SMALL_SCALE)
         return m, l, acc + tl.sum(tl.where(valid, v_poison[None, :], 0.0), axis=1)[:, None]
-    return softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
+    return softmax_step(qk, m, l, acc, v, scale_log2, IEEE, SMALL_SCALE)
 
 
 @triton.jit
@@ -189,7 +200,8 @@ def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr
 @triton.jit
 def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.constexpr,
                       PARTIAL: tl.constexpr = False, MASKED: tl.constexpr = True, gate=None,
-                      MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
+                      MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+                      SMALL_SCALE: tl.constexpr = False):
     """Backward of one tile: recomputed probabilities p and dS = p (dP - delta), [rows, keys],
     or p^T and dS^T [keys, rows] when TRANSPOSED (from k q^T and v do^T; ``valid`` in the same
     layout); in a PARTIAL tile, or with MASK_DS, dS is 0 where not ``valid``, whatever v, do
@@ -203,9 +215,11 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
         qk = dot(q, tl.trans(k), IEEE)
         dp = dot(do, tl.trans(v), IEEE)
     # p <= 1 in exact arithmetic; a product recomputed an ulp above the forward's, times a
-    # huge scale, would make it inf (NaN stays NaN).
-    p = tl.minimum(exp_from(qk, lse, scale_log2, TRANSPOSED), 1.0,
-                   propagate_nan=tl.PropagateNan.ALL)
+    # huge scale, would make it inf (NaN stays NaN). With SMALL_SCALE it stays within ulps
+    # of 1.
+    p = exp_from(qk, lse, scale_log2, TRANSPOSED, SMALL_SCALE)
+    if not SMALL_SCALE:
+        p = tl.minimum(p, 1.0, propagate_nan=tl.PropagateNan.ALL)
     if MASKED:
         p = tl.where(valid, p, 0.0)
     if gate is not None:
@@ -218,13 +232,14 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
 
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
-            PARTIAL: tl.constexpr, MASKED: tl.constexpr = True, MASK_DS: tl.constexpr = False):
+            PARTIAL: tl.constexpr, MASKED: tl.constexpr = True, MASK_DS: tl.constexpr = False,
+            SMALL_SCALE: tl.constexpr = False):
     """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
     (a non-finite key already makes the dS of the pairs that see it NaN). MASK_DS: dS is 0
     where not ``valid`` (a masked tile whose keys and values are known finite, but whose rows'
     do and delta may not be: a row that sees no key gets no gradient)."""
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED, MASK_DS=MASK_DS)
+                              MASKED, MASK_DS=MASK_DS, SMALL_SCALE=SMALL_SCALE)
     if PARTIAL:
         k, _ = finite_part(k)
     return acc + dot(ds.to(k.dtype), k, IEEE)
@@ -233,7 +248,8 @@ def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
 @triton.jit
 def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
               IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
-              MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
+              MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+              SMALL_SCALE: tl.constexpr = False):
     """acc_k [keys, DK] += dS^T q, acc_v [keys, DV] += p^T do over a tile of query rows whose
     output gradients are gate · do (p and dS are multiplied by each row's gate, float32). A
     PARTIAL tile multiplies the finite parts of q, do and the gates; a row whose do or gate is
@@ -243,14 +259,16 @@ def dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
     (``valid`` [keys, rows]) and enter the products as the tensor cores gave them, with no
     transpose through shared memory (a launch choice: launch.launch_transposed)."""
     acc_k, acc_v, _ = dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
-                                   scale_log2, IEEE, PARTIAL, MASKED, MASK_DS, TRANSPOSED)
+                                   scale_log2, IEEE, PARTIAL, MASKED, MASK_DS, TRANSPOSED,
+                                   SMALL_SCALE)
     return acc_k, acc_v
 
 
 @triton.jit
 def dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
                  IEEE: tl.constexpr, PARTIAL: tl.constexpr, MASKED: tl.constexpr = True,
-                 MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False):
+                 MASK_DS: tl.constexpr = False, TRANSPOSED: tl.constexpr = False,
+                 SMALL_SCALE: tl.constexpr = False):
     """``dkdv_tile``, also returning the tile's dS [rows, keys] (gated), whose product with
     the keys is the rows' dq through them (unused, it costs nothing)."""
     q_mult = q
@@ -263,7 +281,7 @@ def dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
         gate_mult = tl.where(gate_ok, gate, 0.0)
         lse = lse + do_poison + tl.where(gate_ok, 0.0, float("nan"))
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED, gate_mult, MASK_DS, TRANSPOSED)
+                              MASKED, gate_mult, MASK_DS, TRANSPOSED, SMALL_SCALE)
     if TRANSPOSED:
         ds_rows = tl.trans(ds)
     else:

@@ -59,6 +59,7 @@ from nsa.ops.triton.launch import (
     launch_transposed,
     pow2,
     shapes,
+    small_scale,
     strides,
     sum_segments,
 )
@@ -131,14 +132,15 @@ def _partial_forward(q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_par
                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      scale_log2, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                     PARTIAL: tl.constexpr):
+                     PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
     """The forward's partial key tiles: with PARTIAL the non-finite bookkeeping (common.py,
     Masks), else the plain masks (the keys and values are known finite)."""
     for i in range(0, num_partial):
         k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
                                 lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
-        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, PARTIAL)
+        m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, PARTIAL,
+                                SMALL_SCALE=SMALL_SCALE)
     return m, l, acc
 
 
@@ -147,7 +149,7 @@ def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, nu
                 hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 scale_log2, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                PARTIAL: tl.constexpr):
+                PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
     """dq's partial key tiles, as ``_partial_forward``'s (dS masked either way: a row's do and
     delta may not be finite, and a row that sees no key gets no gradient)."""
     for i in range(0, num_partial):
@@ -155,7 +157,7 @@ def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, nu
                                 lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, PARTIAL,
-                      MASK_DS=True)
+                      MASK_DS=True, SMALL_SCALE=SMALL_SCALE)
     return acc
 
 
@@ -168,7 +170,7 @@ def _branch_fwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, FINITE: tl.constexpr,
+    IEEE: tl.constexpr, TMA: tl.constexpr, FINITE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
     """O, LSE = this branch's output (float32) and log-sum-exp. Runs the programs whose
     KV_FINITE flag equals FINITE (module docstring): KV_FINITE[b, h] (int8) is 1 when every key
@@ -186,12 +188,13 @@ def _branch_fwd_kernel(
         m, l, acc = _partial_forward(
             q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r, hi_r,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, scale_log2, DK, DV,
-            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, not FINITE)
+            BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE, not FINITE, SMALL_SCALE)
         for start in range(full_lo, full_hi, BLOCK_N):
             k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt,
                                   stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
                                   BLOCK_DV, BLOCK_N, TMA)
-            m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False)
+            m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False, False,
+                                    SMALL_SCALE)
         store_rows(O + b * stride_ob + t64 * stride_ot + hq * stride_oh,
                    LSE + b * stride_lb + t64 * stride_lt + hq, m, l, acc, row_ok, scale_log2, DV,
                    BLOCK_DV)
@@ -207,6 +210,7 @@ def _branch_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """DQ_OUT = scale · Σ_s p (dp − delta) k_s, plus DQ_IN when ACCUMULATE (both laid out as Q:
     the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype). Runs
@@ -222,12 +226,13 @@ def _branch_bwd_dq_kernel(
         acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
                           num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
                           stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                          IEEE, not FINITE)
+                          IEEE, not FINITE, SMALL_SCALE)
         for start in range(full_lo, full_hi, BLOCK_N):
             k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt,
                                   stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
                                   BLOCK_DV, BLOCK_N, TMA)
-            acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False)
+            acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False,
+                          SMALL_SCALE=SMALL_SCALE)
         rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
         accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
                         BLOCK_DK, ACCUMULATE)
@@ -291,7 +296,8 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
                   G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
                   WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-                  IEEE: tl.constexpr, PARTIAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+                  IEEE: tl.constexpr, PARTIAL: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  SMALL_SCALE: tl.constexpr):
     """dK/dV's partial query tiles: with PARTIAL the non-finite bookkeeping of the query side
     (common.dkdv_tile), else the plain masks (q, do and the gates are known finite; dS masked:
     a row's delta may not be)."""
@@ -303,7 +309,8 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
             stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, MODE, WINDOW,
             CMP_BLOCK, CMP_STRIDE, TRANSPOSED)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v, scale_log2,
-                                 IEEE, PARTIAL, MASK_DS=True, TRANSPOSED=TRANSPOSED)
+                                 IEEE, PARTIAL, MASK_DS=True, TRANSPOSED=TRANSPOSED,
+                                 SMALL_SCALE=SMALL_SCALE)
     return acc_k, acc_v
 
 
@@ -319,6 +326,7 @@ def _branch_bwd_dkdv_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     IEEE: tl.constexpr, TRANSPOSED: tl.constexpr, FINITE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """dK, dV (float32) of a tile of BLOCK_N keys from the queries of one segment of SEGMENT
     positions (program axis 2) that can see them; segments write separate partials. Runs the
@@ -355,14 +363,16 @@ def _branch_bwd_dkdv_kernel(
             k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num_partial, Q, DO, GATE,
             LSE, DELTA, tok_pos, tok_cmp_start, b, h, stride_qb, stride_qt, stride_qh, stride_ob,
             stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV,
-            BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, not FINITE, TRANSPOSED)
+            BLOCK_R, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, not FINITE, TRANSPOSED,
+            SMALL_SCALE)
         for t_start in range(full_lo, full_hi, P):
             q, do, gate, lse, delta = _full_query_tile(
                 t_start, Q, DO, GATE, LSE, DELTA, b, h, stride_qb, stride_qt, stride_qh,
                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, G, DK, DV, BLOCK_DK,
                 BLOCK_DV, BLOCK_R)
             acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
-                                     scale_log2, IEEE, False, False, TRANSPOSED=TRANSPOSED)
+                                     scale_log2, IEEE, False, False, TRANSPOSED=TRANSPOSED,
+                                     SMALL_SCALE=SMALL_SCALE)
         dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
         dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
         store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK,
@@ -392,7 +402,8 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
         T, k.shape[1], H, scale * LOG2E,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
         MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma, **launch,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma,
+        SMALL_SCALE=small_scale(scale), **launch,
     )
     return o, lse
 
@@ -408,7 +419,8 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
     do = grad.do
     meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
                 MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-                CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32)
+                CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32,
+                SMALL_SCALE=small_scale(scale))
     tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
     family = f"{MODE_NAMES[mode]}_dq"
     R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())

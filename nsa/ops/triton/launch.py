@@ -10,6 +10,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nsa.ops.params import LOG2E
+
 # Launch shapes per kernel family: rows (position x head pairs) per tile and warps. Rows grow
 # to the next power of two >= G when a group is larger. Measured choices: see bench/NOTES.md.
 TUNING = {
@@ -119,6 +121,14 @@ def next_pow2(n: int) -> int:
 def pow2(x: int, minimum: int = 16) -> int:
     """The tile size of a dimension of x: the next power of two, at least ``minimum``."""
     return max(minimum, next_pow2(x))
+
+
+def small_scale(scale: float) -> bool:
+    """Whether the kernels' s = scale · log2(e) is <= 1 (every head dim >= 3 at the default
+    scale 1/sqrt(D)), so that score differences enter exp2 unmultiplied (common.exp_scale):
+    the SMALL_SCALE kernels leave out a multiply and a clamp per (query, key) pair. A float64
+    s <= 1 stays <= 1 in the float32 the kernels take."""
+    return scale * LOG2E <= 1.0
 
 
 def tile_width(head_dim: int, element_size: int = 2) -> int:

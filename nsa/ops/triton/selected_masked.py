@@ -72,6 +72,7 @@ from nsa.ops.triton.launch import (
     launch_shape,
     pow2,
     shapes,
+    small_scale,
     strides,
     sum_segments,
     wide_keys,
@@ -166,6 +167,7 @@ def _masked_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, FINITE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """O, LSE = the selected branch's output (float32) and log-sum-exp of this tile's rows;
     with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
@@ -192,13 +194,13 @@ def _masked_fwd_kernel(
                                   BLOCK_DV, BLOCK_N, TMA)
             if FINITE:
                 m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
-                                        False)
+                                        False, SMALL_SCALE=SMALL_SCALE)
             elif every:
                 m, l, acc = attend_tile(q, k, v, None, m, l, acc, scale_log2, IEEE, False,
-                                        False)
+                                        False, SMALL_SCALE)
             elif some:
                 m, l, acc = attend_tile(q, k, v, chosen[:, None], m, l, acc, scale_log2, IEEE,
-                                        True)
+                                        True, SMALL_SCALE=SMALL_SCALE)
         # Tiles on the diagonal: masked by position as well.
         for start in range(full_hi, t_last + 1, BLOCK_N):
             chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
@@ -210,7 +212,7 @@ def _masked_fwd_kernel(
                 s = start + tl.arange(0, BLOCK_N)
                 valid = chosen[:, None] & (s[None, :] <= t64[:, None])
                 m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE,
-                                        not FINITE)
+                                        not FINITE, SMALL_SCALE=SMALL_SCALE)
         store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t64, hq, T, H * G, m, l, acc,
                             row_ok, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                             scale_log2, DV, BLOCK_DV, GATED)
@@ -227,6 +229,7 @@ def _masked_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
     the programs whose KV_FINITE flag equals FINITE (module docstring)."""
@@ -248,13 +251,13 @@ def _masked_dq_kernel(
                                   BLOCK_DV, BLOCK_N, TMA)  # as in the forward
             if FINITE:
                 acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
-                              False)
+                              False, SMALL_SCALE=SMALL_SCALE)
             elif every:
                 acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False,
-                              False)
+                              False, SMALL_SCALE=SMALL_SCALE)
             elif some:
                 acc = dq_tile(q, k, v, do, lse, delta, chosen[:, None], acc, scale_log2, IEEE,
-                              True)
+                              True, SMALL_SCALE=SMALL_SCALE)
         for start in range(full_hi, t_last + 1, BLOCK_N):
             chosen, every, some = _tile_selection(bits, every_bits, some_bits, start,
                                                   SEL_BLOCK)
@@ -265,7 +268,7 @@ def _masked_dq_kernel(
                 s = start + tl.arange(0, BLOCK_N)
                 valid = chosen[:, None] & (s[None, :] <= t64[:, None])
                 acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE,
-                              not FINITE)
+                              not FINITE, SMALL_SCALE=SMALL_SCALE)
         rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
         accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
                         BLOCK_DK, ACCUMULATE)
@@ -282,7 +285,7 @@ def _masked_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
     """dK, dV of a tile of BLOCK_N keys of KV head h from the query tiles (P positions x G
     heads) of one segment of SEGMENT positions (program axis 2) that come at or after it,
@@ -324,7 +327,7 @@ def _masked_dkdv_kernel(
                 BLOCK_DK, BLOCK_DV)
             valid = chosen[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
             acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
-                                     scale_log2, IEEE, True)
+                                     scale_log2, IEEE, True, SMALL_SCALE=SMALL_SCALE)
     for t_start in range(full_lo, full_hi, P):
         t64 = (t_start + r // G).to(tl.int64)
         chosen = ((_row_bits(BITS, b, h, t64, r < P * G, stride_bb, stride_bt) >> block)
@@ -334,7 +337,7 @@ def _masked_dkdv_kernel(
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
             BLOCK_DV)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
-                                 scale_log2, IEEE, False, False)
+                                 scale_log2, IEEE, False, False, SMALL_SCALE=SMALL_SCALE)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
     dv_out = DV_OUT + seg.to(tl.int64) * stride_dvs + b * stride_dvb
     store_tile(dk_out + s64 * stride_dkt + h * stride_dkh, acc_k * scale, k_ok, DK, BLOCK_DK)
@@ -403,7 +406,7 @@ def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale
         _masked_fwd_kernel, grid,
         q, k, v, kd, vd, bits, finite, o, lse, *strides(q), *strides(k), *strides(v),
         *strides(bits, 2), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
-        **gated_sum_args(gated, o), **meta,
+        **gated_sum_args(gated, o), SMALL_SCALE=small_scale(scale), **meta,
     )
     return o, lse
 
@@ -419,7 +422,7 @@ def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
         q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
         dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
         *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
-        scale * LOG2E, scale, ACCUMULATE=accumulate, **meta,
+        scale * LOG2E, scale, ACCUMULATE=accumulate, SMALL_SCALE=small_scale(scale), **meta,
     )
 
 
@@ -439,6 +442,6 @@ def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delt
         q, k, v, grad.do, grad.gate, lse, delta, bits, dk, dv, *strides(q), *strides(k),
         *strides(v), *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
         *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, segment, scale * LOG2E, scale,
-        **meta,
+        SMALL_SCALE=small_scale(scale), **meta,
     )
     return sum_segments(dk, dv, k, v)
