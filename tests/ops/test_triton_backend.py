@@ -220,11 +220,12 @@ def test_triton_matches_reference_small(case):
 
 
 @pytest.mark.parametrize("s", [0.9, 1.1], ids=["s0.9", "s1.1"])
-@pytest.mark.parametrize("case", CASES[:2], ids=case_id)
+@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
 def test_triton_matches_reference_on_both_sides_of_a_unit_exp_scale(case, s):
-    """At s = scale · log2(e) <= 1 the compressed, window and masked kernels leave a multiply
-    and a clamp per pair out (launch.small_scale); s on both sides of 1, the masked kernels
-    (the first case) and the per-position ones (the second, varlen)."""
+    """At s = scale · log2(e) <= 1 the attention kernels leave a multiply and a clamp per
+    pair out (launch.small_scale); s on both sides of 1: the masked selected kernels (the
+    first case), the per-block ones (the second: G = 1, varlen), the per-position ones (the
+    third: G = 16)."""
     run_case(case, torch.float32, scale=s / LOG2E)
 
 

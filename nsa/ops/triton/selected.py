@@ -35,6 +35,7 @@ from nsa.ops.triton.launch import (
     descriptor_pair,
     pow2,
     shapes,
+    small_scale,
     strides,
     tile_width,
 )
@@ -108,7 +109,7 @@ def _selected_fwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
     SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
     """O, LSE = the selected branch's output (float32) and log-sum-exp of position t's G
     heads; with GATED (the last branch), also OUT = the gated sum of the three branches
@@ -126,13 +127,13 @@ def _selected_fwd_kernel(
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                      BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, True)
         qk = masked_products(q, k, k_ok[None, :], IEEE, BLOCK_S != SEL_BLOCK)
-        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
+        m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE, SMALL_SCALE)
     k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, num_blocks - 1,
                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                  stride_vh, stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                  BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
     qk = masked_products(q, k, k_ok[None, :], IEEE)
-    m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE)
+    m, l, acc = softmax_step(qk, m, l, acc, v, scale_log2, IEEE, SMALL_SCALE)
     store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t, hq, T, H * G, m, l, acc, row_ok,
                         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2, DV,
                         BLOCK_DV, GATED)
@@ -148,7 +149,7 @@ def _selected_bwd_dq_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SELECTED: tl.constexpr,
     SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-    TMA: tl.constexpr, ACCUMULATE: tl.constexpr,
+    TMA: tl.constexpr, ACCUMULATE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
     b, h, t, seq_start, hq, row_ok, q, num_blocks = _position_rows(
         Q, TOK_POS, stride_qb, stride_qt, stride_qh, H, G, DK, BLOCK_G, BLOCK_DK,
@@ -166,14 +167,14 @@ def _selected_bwd_dq_kernel(
                                      stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                      BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, True)
         p, ds = probs_and_dscores(q, k, v, do, lse, delta, row_ok[:, None] & k_ok[None, :],
-                                  scale_log2, IEEE)
+                                  scale_log2, IEEE, SMALL_SCALE=SMALL_SCALE)
         acc += dot(ds.to(k.dtype), k, IEEE)
     k, v, k_ok = _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, num_blocks - 1,
                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                  stride_vh, stride_ib, stride_it, stride_ih, DK, DV, BLOCK_DK,
                                  BLOCK_DV, SEL_BLOCK, BLOCK_S, TMA, False)
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, row_ok[:, None] & k_ok[None, :],
-                              scale_log2, IEEE)
+                              scale_log2, IEEE, SMALL_SCALE=SMALL_SCALE)
     acc += dot(ds.to(k.dtype), k, IEEE)
     rows = b * stride_qb + t * stride_qt + hq * stride_qh
     accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
@@ -230,6 +231,7 @@ def position_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None
         q, k, v, kd, vd, idx, o, lse, tables.tok_pos,
         *strides(q), *strides(k), *strides(v), *strides(idx), *strides(o),
         *lse.stride()[:2], T, H, scale * LOG2E, TMA=tma, **gated_sum_args(gated, o),
+        SMALL_SCALE=small_scale(scale),
         **_selected_launch("fwd", q, k, v, params),
     )
     return o, lse
@@ -262,6 +264,6 @@ def position_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, 
         q, k, v, kd, vd, idx, grad.do, grad.gate, lse, delta, dq,
         dq if dq_out is None else dq_out, tables.tok_pos, *strides(q), *strides(k), *strides(v),
         *strides(idx), *strides(grad.do), *lse.stride()[:2], H, scale * LOG2E, scale,
-        TMA=tma, ACCUMULATE=accumulate,
+        TMA=tma, ACCUMULATE=accumulate, SMALL_SCALE=small_scale(scale),
         **_selected_launch("dq", q, k, v, params),
     )

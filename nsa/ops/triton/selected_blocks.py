@@ -70,6 +70,7 @@ from nsa.ops.triton.launch import (
     launch_shape,
     pow2,
     shapes,
+    small_scale,
     strides,
 )
 from nsa.ops.triton.tables import KernelTables, i32
@@ -220,7 +221,7 @@ def _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, 
                     stride_qb, stride_qt, stride_qh, T0, TC, H, scale_log2, G: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SELECTED: tl.constexpr,
-                    IEEE: tl.constexpr, PARTIAL: tl.constexpr):
+                    IEEE: tl.constexpr, PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
     """Attention of a tile of entries over the block (keys s <= t), stored normalised as
     partial rows with their log-sum-exps."""
     t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T0, TC, H, G, NUM_SELECTED, BLOCK_R)
@@ -230,7 +231,8 @@ def _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, 
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, PARTIAL)
+    m, l, acc = attend_tile(q, k, v, valid, m, l, acc, scale_log2, IEEE, PARTIAL,
+                            SMALL_SCALE=SMALL_SCALE)
     out, lse = softmax_finish(m, l, acc, scale_log2)
     store_tile(O_PART + part * DV, out, row_ok, DV, BLOCK_DV)
     tl.store(LSE_PART + part, lse, mask=row_ok)
@@ -245,7 +247,7 @@ def _block_fwd_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
     """Partial outputs O_PART [B·TC·H·n·G, DV] and log-sum-exps LSE_PART of one segment's
     entries over its block."""
@@ -258,11 +260,11 @@ def _block_fwd_kernel(
         _attend_entries(partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, k, v, Q,
                         ENTRIES, O_PART, LSE_PART, b, h, stride_qb, stride_qt, stride_qh, T0, TC, H,
                         scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE,
-                        True)
+                        True, SMALL_SCALE)
     for e_start in range(full_lo, full_hi, P):
         _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, b, h,
                         stride_qb, stride_qt, stride_qh, T0, TC, H, scale_log2, G, DK, DV, BLOCK_DK,
-                        BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, False)
+                        BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, False, SMALL_SCALE)
 
 
 @triton.jit
@@ -328,7 +330,7 @@ def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, 
                        G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
                        NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
-                       DQ: tl.constexpr):
+                       DQ: tl.constexpr, SMALL_SCALE: tl.constexpr):
     """Fold a tile of entries into the block's dK, dV; with DQ, store their dq partial rows
     (dS k, a PARTIAL tile multiplying k's finite part)."""
     t, g, row_ok, part = _entry_rows(ENTRIES, e_start, e_hi, T0, TC, H, G, NUM_SELECTED, BLOCK_R)
@@ -337,7 +339,7 @@ def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, 
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
     valid = row_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
     acc_k, acc_v, ds = dkdv_dq_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
-                                    scale_log2, IEEE, PARTIAL)
+                                    scale_log2, IEEE, PARTIAL, SMALL_SCALE=SMALL_SCALE)
     if DQ:
         k_mult = k
         if PARTIAL:
@@ -359,6 +361,7 @@ def _block_bwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_SELECTED: tl.constexpr, IEEE: tl.constexpr, SEGMENT: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, DQ: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """dK, dV [BLOCK_S, D] of one block of one KV head from one segment of its list: into
     DK_OUT, DV_OUT (their dtypes) when the segment is the whole list and not ACCUMULATE, else
@@ -377,13 +380,13 @@ def _block_bwd_kernel(
             partial_tile(i, e_lo, full_lo, full_hi, P), e_hi, s, k_ok, k, v, acc_k, acc_v, Q,
             DO, GATE, LSE, DELTA, ENTRIES, DQ_PART, b, h, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G,
-            DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, True, DQ)
+            DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, NUM_SELECTED, IEEE, True, DQ, SMALL_SCALE)
     for e_start in range(full_lo, full_hi, P):
         acc_k, acc_v = _block_bwd_entries(
             e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, LSE, DELTA, ENTRIES,
             DQ_PART, b, h, stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, T0, TC, H, scale_log2, scale, G, DK, DV, BLOCK_DK, BLOCK_DV,
-            BLOCK_R, NUM_SELECTED, IEEE, False, DQ)
+            BLOCK_R, NUM_SELECTED, IEEE, False, DQ, SMALL_SCALE)
     if alone and not ACCUMULATE:
         s64 = s.to(tl.int64)
         store_tile(DK_OUT + b * stride_dkb + s64 * stride_dkt + h * stride_dkh, acc_k * scale,
@@ -552,7 +555,8 @@ def block_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = 
         index = InverseIndex(idx, tables, params, segment_entries(G), (t0, TC))
         _block_fwd_kernel[(index.num_segments,)](
             q, k, v, o_part, lse_part, *index.args(), *strides(q), *strides(k), *strides(v),
-            t0, TC, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R, **meta,
+            t0, TC, H, index.num_global, index.num_lists, scale * LOG2E, BLOCK_R=R,
+            SMALL_SCALE=small_scale(scale), **meta,
             **index.meta(), **launch,
         )
         _merge_partials_kernel[(TC, B * H)](
@@ -596,7 +600,8 @@ def block_backward(q, k, v, idx, grad: BranchGrad, lse, delta, tables, params, s
             *index.args(), *strides(q), *strides(k), *strides(v), *strides(grad.do),
             *lse.stride()[:2], *strides(dk), *strides(dv), t0, TC, H, index.num_global,
             index.num_lists, scale * LOG2E, scale,
-            BLOCK_R=R, DQ=dq is not None, ACCUMULATE=many, **meta, **index.meta(), **launch,
+            BLOCK_R=R, DQ=dq is not None, ACCUMULATE=many, SMALL_SCALE=small_scale(scale),
+            **meta, **index.meta(), **launch,
         )
         _sum_segments_kernel[(index.num_lists, cdiv(bs, SUM_ROWS))](
             dk_part, dv_part, dk, dv, index.block_start, index.block_end, index.seg_first,

@@ -31,7 +31,16 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile, longest_first
-from nsa.ops.triton.launch import TUNING, cdiv, next_pow2, pow2, shapes, strides, tile_width
+from nsa.ops.triton.launch import (
+    TUNING,
+    cdiv,
+    next_pow2,
+    pow2,
+    shapes,
+    small_scale,
+    strides,
+    tile_width,
+)
 from nsa.ops.triton.tables import tile_table
 
 MAX_BLOCK = tl.constexpr(2**31 - 1)  # the low word of a top-n key: block ^ MAX_BLOCK (reversed)
@@ -100,6 +109,7 @@ def _select_kernel(
     TOK_PAD: tl.constexpr, M_PAD: tl.constexpr, SPILL: tl.constexpr,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
     NUM_INIT: tl.constexpr, NUM_LOCAL: tl.constexpr, IEEE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
     HEAD_STAGES: tl.constexpr, STEP_STAGES: tl.constexpr, INDEX_BITS: tl.constexpr,
 ):
     """IDX[b, t, h, :NUM_SELECTED] for the tile's positions t (ascending, -1 padded)."""
@@ -148,7 +158,8 @@ def _select_kernel(
         for g in tl.range(G, num_stages=HEAD_STAGES):
             q = load_tile(q_rows + g * stride_qh, row_ok, DK, BLOCK_DK)
             lse = tl.load(lse_rows + g, mask=row_ok, other=float("inf"))
-            p += exp_from(dot(q, tl.trans(kc), IEEE), lse, scale_log2)
+            p += exp_from(dot(q, tl.trans(kc), IEEE), lse, scale_log2,
+                          SMALL_SCALE=SMALL_SCALE)
         # Invisible tokens (past a row's position or the sequence) may have summed to inf or
         # NaN: masked once per step, after the sum over heads.
         visible = k_ok[None, :] & (i_loc[None, :] * CMP_STRIDE + CMP_BLOCK - 1 <= pos[:, None])
@@ -224,6 +235,7 @@ def select(q, k_cmp, lse_cmp, tables, params, scale):
         CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, SEL_BLOCK=params.sel_block, NUM_INIT=params.num_init,
         NUM_LOCAL=params.num_local, IEEE=q.dtype == torch.float32,
+        SMALL_SCALE=small_scale(scale),
         HEAD_STAGES=head_stages, STEP_STAGES=step_stages,
         INDEX_BITS=index_bits if narrow_keys else 0,
         num_warps=tuning["num_warps"], num_stages=1,
