@@ -43,7 +43,7 @@ def test_selection_kernel_spills_little_with_its_loop_pipelined(G):
     constants = dict(G=G, DK=128, BLOCK_DK=128, BLOCK_P=tuning["rows"], NUM_SELECTED=16,
                      BEST=16, BJ=step_blocks, TOK_PAD=step_blocks * tokens_per_block,
                      M_PAD=tokens_per_block, SPILL=1, CMP_BLOCK=32, CMP_STRIDE=16,
-                     SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False,
+                     SEL_BLOCK=64, NUM_INIT=1, NUM_LOCAL=2, IEEE=False, SMALL_SCALE=True,
                      HEAD_STAGES=head_stages, STEP_STAGES=step_stages,
                      INDEX_BITS=10)  # int32 keys (64k)
     types = dict(Q="*bf16", KC="*bf16", LSE="*fp32", IDX="*i32", tile_start="*i32",
@@ -70,7 +70,8 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
     rows, launch = launch_shape(f"masked_{kind}", G=6, head_dim=64)
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=rows,
-                     BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True)
+                     BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True,
+                     SMALL_SCALE=True)  # the default scale's launch
     if kind == "dq":
         constants["ACCUMULATE"] = True
     else:
