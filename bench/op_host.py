@@ -22,33 +22,39 @@ from attention import PAPER  # bench/attention.py: the paper's block parameters
 from train_step import synchronize
 
 import nsa
-from nsa.layers.cache import split_kv_sets
+from nsa.layers.projection import Heads, HeadsLayout, split_heads
 
 
 def layer_inputs(B, T, HQ, H, D, dtype, device):
-    """q, k, v, k_cmp, v_cmp, gates, k_win, v_win as an NSA layer passes them. The values are
-    strided views of one K/V projection [B, T, 3, H, 2D], split as the layer splits it
-    (``split_kv_sets``: their backward is one stack and one concatenation). The queries and
-    keys are contiguous tensors, as the layer's RoPE kernel writes them. -> (the op's eight
-    inputs, the leaves their gradients reach: the projection in place of the values)."""
+    """The inputs of the op as an NSA layer passes them -> (a function that gives q, k, v,
+    k_cmp, v_cmp, gates, k_win, v_win; the leaves their gradients reach). The values are
+    strided views of one projection [B, T, 3 · H · 2D] (its K/V sets), split from it at each
+    call as the layer splits it at each forward (``split_heads``: its backward writes the
+    projection's gradient once), so the leaves hold the projection in place of the values. The
+    queries and keys are contiguous tensors, as the layer's RoPE kernel writes them."""
     Tc = nsa.compressed_length(T, PAPER["cmp_block"], PAPER["cmp_stride"])
     make = lambda *s: torch.randn(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
-    projection = make(B, T, 3, H, 2 * D)
-    _, (_, v), (_, v_win) = split_kv_sets(projection, D)
+    width = 3 * H * 2 * D
+    projection = make(B, T, width)
+    values = HeadsLayout(tuple(Heads(s * H * 2 * D + D, H, 2 * D, D) for s in (1, 2)), width)
     gates = torch.rand(B, T, HQ, 3, dtype=dtype, device=device, requires_grad=True)
     q, k, k_cmp, v_cmp, k_win = (make(B, T, HQ, D), make(B, T, H, D), make(B, Tc, H, D),
                                  make(B, Tc, H, D), make(B, T, H, D))
-    return (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), (q, k, projection, k_cmp, v_cmp, gates,
-                                                           k_win)
+
+    def inputs():
+        v, v_win = split_heads(projection, values)
+        return q, k, v, k_cmp, v_cmp, gates, k_win, v_win
+
+    return inputs, (q, k, projection, k_cmp, v_cmp, gates, k_win)
 
 
 def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), leaves = layer_inputs(B, T, HQ, H, D, dtype,
-                                                                        device)
-    grad = torch.randn_like(q)
+    inputs, leaves = layer_inputs(B, T, HQ, H, D, dtype, device)
+    grad = torch.randn_like(leaves[0])
 
     def forward():
+        q, k, v, k_cmp, v_cmp, gates, k_win, v_win = inputs()
         return nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, k_win=k_win, v_win=v_win,
                                  **PAPER)
 

@@ -15,18 +15,24 @@ from nsa.layers.cache import (
     NSACache,
     append_kv,
     ring_from_prefix,
-    split_kv_sets,
     write_at,
 )
 from nsa.layers.compressor import COMPRESSORS, Compressor
 from nsa.layers.documents import PackedDocuments, as_packed_documents
+from nsa.layers.projection import (
+    Heads,
+    HeadsLayout,
+    decode_projection,
+    fused_columns,
+    fused_product,
+    split_heads,
+)
 from nsa.layers.rope import (
     PositionAngles,
     RotaryFrequencies,
     rope_angles,
     rope_frequencies,
     rotate,
-    rotate_many,
 )
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
@@ -94,49 +100,6 @@ class AttentionConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
-FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
-
-
-def _fused_pad(layer: nn.Linear) -> int:
-    """Zero rows after ``layer``'s in a fused weight: its rows to a multiple of FUSED_ALIGN."""
-    return -layer.out_features % FUSED_ALIGN
-
-
-def fused_weight(*layers: nn.Linear) -> torch.Tensor:
-    """The layers' weights as one [Σ padded out_features, in_features] matrix: each layer's
-    rows padded with zero rows to a multiple of ``FUSED_ALIGN``."""
-    return torch.cat([F.pad(layer.weight, (0, 0, 0, _fused_pad(layer))) if _fused_pad(layer)
-                      else layer.weight for layer in layers])
-
-
-def fused_linear(x: torch.Tensor, *layers: nn.Linear,
-                 weight: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """x through several linear layers as one product, their weights concatenated at each call
-    (the parameters stay the layers' own): under autocast x is cast once, and the backward
-    runs one product for x's gradient instead of one per layer plus their sum. Each output is
-    a view of the product's columns (its bias added in the output's dtype); each layer's
-    columns are padded with zero rows to a multiple of ``FUSED_ALIGN``, so every view starts
-    and strides on 16 bytes (a stride off that slows every kernel that reads the view).
-    ``weight``: :func:`fused_weight` of the layers, made once by a caller whose weights do not
-    change between calls (a decode cache), instead of at this call."""
-    if weight is None:
-        weight = fused_weight(*layers)
-    widths = [width for layer in layers for width in (layer.out_features, _fused_pad(layer))]
-    outputs = F.linear(x, weight).split(widths, dim=-1)[::2]  # [..., sum of padded widths]
-    return [out if layer.bias is None else out + layer.bias.to(out.dtype)
-            for out, layer in zip(outputs, layers, strict=True)]
-
-
-def decode_projection(layers) -> torch.Tensor:
-    """:func:`fused_weight` of ``layers`` for a decode cache (detached), made with the cache
-    (under FSDP2 from the gathered weights: a block's ``new_cache`` is one of its forward
-    methods), so that a decode step does not concatenate (and pad) the weights at every token.
-    A cache so reads the weights as they were when it was made, and holds a copy of them (in
-    their dtype): for m7c-125m 14.5 M values over its 12 layers, 12 % of the model's."""
-    with torch.no_grad():
-        return fused_weight(*layers)
-
-
 class NSAttention(nn.Module):
     """Native Sparse Attention layer: x [B, T, dim] -> [B, T, dim].
 
@@ -165,45 +128,63 @@ class NSAttention(nn.Module):
         self.gate_proj = nn.Linear(c.dim, c.num_heads * 3)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
+        self._heads, self._decode_heads = self._layout(False), self._layout(True)
 
-    def _projections(self, x: torch.Tensor, weight: torch.Tensor | None = None):
-        """[B, T, dim] -> (queries [B, T, HQ, Dk] before RoPE, the branches' K/V sets
-        [B, T, sets, H, Dk + Dv], gates [B, T, HQ, 3]), from one product (:func:`fused_linear`;
-        ``weight``: the fused weight a decode cache keeps).
-        The gates are sigmoids, or a one-hot when a branch is forced: then the sigmoids enter
-        times zero, so ``gate_proj`` still gets a (zero) gradient, as every parameter must on
-        every rank (DDP waits for each one)."""
+    def _layout(self, decoding: bool) -> HeadsLayout:
+        """The head groups of the layer's fused product (:func:`split_heads`): queries
+        (rotated), the K/V sets' keys and values, gate logits. Training and prefill take each
+        set's keys and values, the selected and window branches' keys rotated (a shared set's
+        keys both as they are, for the compressor, and rotated); a decode step takes the sets
+        as one group [sets · H, Dk + Dv], whose keys its cache rotates."""
         c = self.config
-        B, T, _ = x.shape
-        q, kv, gate_logits = fused_linear(x, *self._fused_layers(), weight=weight)
-        gates = torch.sigmoid(gate_logits).view(B, T, c.num_heads, 3)
+        q_start, kv_start, gate_start, width = fused_columns(*self._fused_layers())
+        H, Dk, Dv = c.num_kv_heads, c.head_dim_k, c.head_dim_v
+        q = Heads(q_start, c.num_heads, Dk, Dk, rotate=True)
+        gates = Heads(gate_start, c.num_heads, 3, 3)
+        if decoding:
+            kv = Heads(kv_start, self.num_kv_sets * H, Dk + Dv, Dk + Dv)
+            return HeadsLayout((q, kv, gates), width)
+        starts = [kv_start + s * H * (Dk + Dv) for s in range(self.num_kv_sets)]
+        keys = [Heads(start, H, Dk + Dv, Dk) for start in starts]
+        values = [Heads(start + Dk, H, Dk + Dv, Dv) for start in starts]
+        if self.num_kv_sets == 3:  # (compressed, selected, window): the last two rotated
+            kv = (keys[0], values[0], keys[1]._replace(rotate=True), values[1],
+                  keys[2]._replace(rotate=True), values[2])
+        else:
+            kv = (keys[0], values[0], keys[0]._replace(rotate=True))
+        return HeadsLayout((q, *kv, gates), width)
+
+    def _gates(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gate logits [B, T, HQ, 3] before the bias -> the gates: sigmoids, or a one-hot when
+        a branch is forced: then the sigmoids enter times zero, so ``gate_proj`` still gets a
+        (zero) gradient, as every parameter must on every rank (DDP waits for each one)."""
+        c = self.config
+        gates = torch.sigmoid(logits + self.gate_proj.bias.view(c.num_heads, 3).to(logits.dtype))
         if c.force_branch is not None:
             # Built on the device (no host-to-device copy: CUDA graph capture refuses one).
-            branch = torch.arange(3, device=x.device) == BRANCHES.index(c.force_branch)
+            branch = torch.arange(3, device=logits.device) == BRANCHES.index(c.force_branch)
             gates = branch.to(gates.dtype) + gates * 0
-        return (q.view(B, T, c.num_heads, c.head_dim_k),
-                kv.view(B, T, self.num_kv_sets, c.num_kv_heads, c.head_dim_k + c.head_dim_v),
-                gates)
+        return gates
 
     def _fused_layers(self) -> tuple[nn.Linear, ...]:
-        """The projections :meth:`_projections` takes as one product, in its order."""
+        """The projections taken as one product (:func:`fused_product`), in its order."""
         return self.q_proj, self.kv_proj, self.gate_proj
 
     def _project(self, x: torch.Tensor, angles):
         """x [B, T, dim] at positions of RoPE ``angles`` (cos, sin of :func:`rope_angles`) ->
         q [B, T, HQ, Dk]; the compressor's un-rotated inputs (k_src, v_src); (k_slc, v_slc,
-        k_win, v_win), [B, T, H, D]; the gates [B, T, HQ, 3]. q, k_slc and k_win are rotated
-        together (one kernel on CUDA, forward and backward); with one shared K/V set, k_win is
-        k_slc."""
-        q, kv, gates = self._projections(x)
-        (k_src, v_src), (k_slc, v_slc), (k_win, v_win) = split_kv_sets(kv,
-                                                                       self.config.head_dim_k)
+        k_win, v_win), [B, T, H, D]; the gates [B, T, HQ, 3]. One product and one
+        :func:`split_heads` (q, k_slc and k_win rotated in one kernel on CUDA, forward and
+        backward); with one shared K/V set, k_win is k_slc and every value is the set's."""
+        *heads, logits = split_heads(fused_product(x, self._fused_layers()),
+                                     self._heads, *angles)
         if self.num_kv_sets == 3:
-            q, k_slc, k_win = rotate_many((q, k_slc, k_win), *angles)
+            q, k_src, v_src, k_slc, v_slc, k_win, v_win = heads
         else:
-            q, k_slc = rotate_many((q, k_slc), *angles)
+            q, k_src, v_src, k_slc = heads
+            v_slc = v_win = v_src
             k_win = k_slc
-        return q, k_src, v_src, k_slc, v_slc, k_win, v_win, gates
+        return q, k_src, v_src, k_slc, v_slc, k_win, v_win, self._gates(logits)
 
     def _compress(self, k_src: torch.Tensor, v_src: torch.Tensor, angles,
                   first: torch.Tensor | None = None):
@@ -319,9 +300,10 @@ class NSAttention(nn.Module):
         c, p = self.config, self.config.nsa
         B = x.shape[0]
         angles = self.rope.angles(pos[:, None]) if angles is None else angles.tokens
-        q, kv, gates = self._projections(x, cache.projection)
-        q = rotate(q, *angles)
-        append_kv(cache, kv, *angles, pos)
+        q, kv, logits = split_heads(
+            fused_product(x, self._fused_layers(), cache.projection), self._decode_heads, *angles)
+        gates = self._gates(logits)
+        append_kv(cache, kv.view(B, 1, self.num_kv_sets, c.num_kv_heads, -1), *angles, pos)
         if cache.k_cmp.shape[1] and compress:
             self._append_compressed(cache, pos)
         out = nsa_decode(q[:, 0], cache.k, cache.v, cache.k_cmp, cache.v_cmp,
@@ -380,17 +362,16 @@ class DenseAttention(nn.Module):
         self.kv_proj = nn.Linear(c.dim, c.num_kv_heads * (c.head_dim_k + c.head_dim_v), bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.dim, bias=False)
         self.rope = RotaryFrequencies(c.head_dim_k, c.rope_base)
+        q_start, kv_start, width = fused_columns(*self._fused_layers())
+        H, Dk, Dv = c.num_kv_heads, c.head_dim_k, c.head_dim_v
+        self._heads = HeadsLayout((Heads(q_start, c.num_heads, Dk, Dk, rotate=True),
+                                   Heads(kv_start, H, Dk + Dv, Dk, rotate=True),
+                                   Heads(kv_start + Dk, H, Dk + Dv, Dv)), width)
 
     def _project(self, x: torch.Tensor, angles, weight: torch.Tensor | None = None):
-        """x [B, T, dim] at positions of RoPE ``angles`` -> q, k (rotated), v (``weight``: the
-        fused weight a decode cache keeps)."""
-        c = self.config
-        B, T, _ = x.shape
-        q, kv = fused_linear(x, *self._fused_layers(), weight=weight)
-        q = rotate(q.view(B, T, c.num_heads, c.head_dim_k), *angles)
-        kv = kv.view(B, T, c.num_kv_heads, c.head_dim_k + c.head_dim_v)
-        k, v = kv.split([c.head_dim_k, c.head_dim_v], dim=-1)
-        return q, rotate(k, *angles), v
+        """x [B, T, dim] at positions of RoPE ``angles`` -> q, k (rotated), v: one product
+        (``weight``: the fused weight a decode cache keeps) and one :func:`split_heads`."""
+        return split_heads(fused_product(x, self._fused_layers(), weight), self._heads, *angles)
 
     def _attend(self, q, k, v, **mask) -> torch.Tensor:
         """SDPA over [B, T, heads, D] tensors -> [B, T, HQ * Dv]."""

@@ -1,6 +1,6 @@
 """bench/op_host.py on the CPU (PyTorch backend): one row of host times, and the inputs laid
-out as the layer passes them (values: strided views of one projection; queries and keys:
-contiguous, as RoPE writes them)."""
+out as the layer passes them (values: strided views of one projection, split at each call;
+queries and keys: contiguous, as RoPE writes them)."""
 
 import sys
 from pathlib import Path
@@ -21,13 +21,16 @@ def test_op_host_prints_host_times(capsys):
 
 
 def test_layer_inputs_are_laid_out_as_the_layer_passes_them():
-    (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), leaves = op_host.layer_inputs(
-        1, 8, 4, 2, 4, torch.float32, "cpu")
-    projection = v._base
-    assert v_win._base is projection and projection.shape == (1, 8, 3, 2, 8)  # [B, T, sets, H, D]
+    inputs, leaves = op_host.layer_inputs(1, 8, 4, 2, 4, torch.float32, "cpu")
+    q, k, v, k_cmp, v_cmp, gates, k_win, v_win = inputs()
+    projection = leaves[2]
+    assert projection.shape == (1, 8, 3 * 2 * 8)  # [B, T, sets · H · 2D]
+    for value in (v, v_win):  # views of the projection
+        assert value.untyped_storage().data_ptr() == projection.untyped_storage().data_ptr()
+        assert value.stride(-1) == 1 and not value.is_contiguous()
     expected = (q, k, projection, k_cmp, v_cmp, gates, k_win)
     assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
-    assert v.stride(-1) == 1 and not v.is_contiguous()
     assert all(x.is_leaf and x.is_contiguous() for x in (q, k, k_win, k_cmp, v_cmp, gates))
-    # One autograd node per value, as in the layer: unbind's (its backward stacks the sets).
-    assert "Unbind" in type(v.grad_fn).__name__
+    # One autograd node for both values, as in the layer: split_heads'.
+    assert v.grad_fn is v_win.grad_fn and "SplitHeads" in type(v.grad_fn).__name__
+    assert inputs()[2].grad_fn is not v.grad_fn  # split again at each call

@@ -2,23 +2,24 @@
 launch, equals the PyTorch rotation of each, forward and backward: strided views of one
 projection as the layer passes them, heads that differ per tensor, angles per sequence or
 shared, a head dim whose half is not a power of two, an output left out of the loss; the
-inverse undoes it, the op passes opcheck, and NSAttention rotates its queries and keys in one
-call. ``rotate_many`` refuses tensors that disagree. On a machine without CUDA it runs in
-Triton's interpreter."""
+inverse undoes it, rope_into writes into strided views, the ops pass opcheck, and NSAttention
+rotates its queries and keys in one launch forward and one backward. ``rotate_many`` refuses
+tensors that disagree. On a machine without CUDA it runs in Triton's interpreter."""
 
 from unittest import mock
 
 import pytest
 import torch
 
-import nsa.layers.attention
+import nsa.layers.projection
 from nsa.config_tree import replace_fields
 from nsa.layers import AttentionConfig, NSAttention
 from nsa.layers.rope import rope_angles, rope_frequencies, rotate_many, rotate_torch
 
 pytest.importorskip("triton")
 
-from nsa.ops.triton.rope import rope_op, rope_triton_many  # noqa: E402
+import nsa.ops.triton.rope  # noqa: E402
+from nsa.ops.triton.rope import rope_into, rope_into_op, rope_op, rope_triton_many  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -105,34 +106,59 @@ def test_rope_op_passes_opcheck():
     torch.library.opcheck(rope_op, (xs, cos, sin, False))
 
 
+def test_rope_into_writes_the_rotations_into_strided_views():
+    B, T, D = 2, 5, 8
+    base, views = projection(B, T, HEADS, D, torch.float32)
+    cos, sin = angles(2, T, D)
+    target = torch.zeros(B, T, sum(HEADS) + 3, D + 2, device=DEVICE)
+    outs = [target[:, :, 3 + s:3 + s + h, 1:1 + D] for s, h in zip((0, 3, 4), HEADS)]
+    rope_into(views(base), outs, cos, sin, True)
+    for out, x in zip(outs, views(base), strict=True):
+        torch.testing.assert_close(out, rotate_torch(x, cos, -sin), rtol=0, atol=1e-6)
+    assert target[:, :, :3].abs().sum() == 0 and target[..., 0].abs().sum() == 0
+    with pytest.raises(ValueError, match="must match"):
+        rope_into(views(base)[:1], [torch.zeros(B, T, 3, D, dtype=torch.float64,
+                                                device=DEVICE)], cos, sin, False)
+
+
+def test_rope_into_op_passes_opcheck():
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(2, 3, h, 8, generator=g).to(DEVICE) for h in (2, 1)]
+    outs = [torch.empty(2, 3, h, 8, device=DEVICE) for h in (2, 1)]
+    torch.library.opcheck(rope_into_op, (xs, outs, *angles(2, 3, 8), True))
+
+
 @pytest.mark.parametrize("kv_sharing", ["independent", "shared"])
-def test_layer_rotates_its_queries_and_keys_in_one_call(kv_sharing):
-    """NSAttention through the kernel (one call: q, k_slc and k_win, or q and the shared k)
-    equals the layer through PyTorch, output and parameter gradients."""
+def test_layer_rotates_its_queries_and_keys_in_one_launch(kv_sharing):
+    """NSAttention through the kernel (one launch forward and one backward: q, k_slc and k_win,
+    or q and the shared k) equals the layer through PyTorch, output and parameter
+    gradients."""
     config = replace_fields(AttentionConfig(), dim=32, num_heads=4, num_kv_heads=2,
                             head_dim_k=8, head_dim_v=8, cmp_block=4, cmp_stride=2,
                             sel_block=8, num_selected=3, window=6, kv_sharing=kv_sharing)
     torch.manual_seed(0)
     layer = NSAttention(config).to(DEVICE)
     x = torch.randn(2, 11, 32, device=DEVICE)
-    calls = []
+    launches = []
 
-    def through_kernel(xs, cos, sin):
-        calls.append([t.shape[2] for t in xs])
-        return rope_triton_many(xs, cos, sin)
+    def launch(xs, outs, cos, sin, inverse):
+        if xs[0].shape[1] == x.shape[1]:  # the tokens' rotation, not the compressed keys'
+            launches.append(([t.shape[2] for t in xs], inverse))
+        return real_launch(xs, outs, cos, sin, inverse)
 
-    def run():
+    def run(kernel):
         layer.zero_grad()
-        out = layer(x)
-        out.square().sum().backward()
+        with mock.patch.object(nsa.layers.projection, "_use_kernel", lambda y: kernel):
+            out = layer(x)
+            out.square().sum().backward()
         return out, [p.grad.clone() for p in layer.parameters()]
 
-    with mock.patch.object(nsa.layers.attention, "rotate_many", through_kernel):
-        out, grads = run()
-    assert calls == ([[4, 2, 2]] if kv_sharing == "independent" else [[4, 2]])
-    with mock.patch.object(nsa.layers.attention, "rotate_many",
-                           lambda xs, cos, sin: [rotate_torch(t, cos, sin) for t in xs]):
-        ref, ref_grads = run()
+    real_launch = nsa.ops.triton.rope._launch
+    with mock.patch.object(nsa.ops.triton.rope, "_launch", launch):
+        out, grads = run(True)
+    heads = [4, 2, 2] if kv_sharing == "independent" else [4, 2]
+    assert launches == [(heads, False), (heads, True)]
+    ref, ref_grads = run(False)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-5)

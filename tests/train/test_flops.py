@@ -6,7 +6,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import nsa.layers.attention
 from nsa.config_tree import replace_fields
-from nsa.layers.attention import FUSED_ALIGN, NSAttention
+from nsa.layers.attention import NSAttention
+from nsa.layers.projection import FUSED_ALIGN
 from nsa.models import LanguageModel
 from nsa.models.config import ModelConfig, model_preset
 from nsa.ops import nsa_select

@@ -1,6 +1,7 @@
 """Rotary position embedding of up to three tensors at the same positions in one Triton kernel,
 forward and backward (the rotation's backward is the rotation by the opposite angle),
-registered as the op ``nsa::rope``.
+registered as the op ``nsa::rope``; ``nsa::rope_into`` writes its rotations into given tensors
+(the views of one gradient in ``nsa.layers.projection``).
 
 The PyTorch form (``nsa.layers.rope.rotate_torch``) runs eight kernels per rotation (a float
 copy, four products, a difference, a sum, a concatenation and the cast back) and about as many
@@ -31,12 +32,15 @@ ROPE_MAX_TENSORS = 3  # tensors rotated by one launch (the kernel's slots)
 @triton.jit
 def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, HEADS2,
                  END0, END1, stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
-                 stride_x1h, stride_x2b, stride_x2t, stride_x2h, stride_cb, stride_ct,
+                 stride_x1h, stride_x2b, stride_x2t, stride_x2h, stride_o0b, stride_o0t,
+                 stride_o0h, stride_o1b, stride_o1t, stride_o1h, stride_o2b, stride_o2t,
+                 stride_o2h, stride_cb, stride_ct,
                  SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  ROWS: tl.constexpr):
-    """OUTk [B·T·HEADSk rows, 2·HALF] (contiguous) = Xk [B, T, HEADSk, 2·HALF] rotated:
-    channel pairs (i, i + HALF) by the angle of the row's (b, t) (cos, sin [B or 1, T, HALF]),
-    SIGN = -1: the inverse. Programs [0, END0) rotate X0, [END0, END1) X1, [END1, grid) X2."""
+    """OUTk [B, T, HEADSk, 2·HALF] = Xk [B, T, HEADSk, 2·HALF] rotated (both in their strides,
+    the last one 1): channel pairs (i, i + HALF) by the angle of the row's (b, t) (cos, sin
+    [B or 1, T, HALF]), SIGN = -1: the inverse. Programs [0, END0) rotate X0, [END0, END1) X1,
+    [END1, grid) X2."""
     pid = tl.program_id(0)
     in1 = pid >= END0
     in2 = pid >= END1
@@ -47,6 +51,9 @@ def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, H
     stride_xb = tl.where(in2, stride_x2b, tl.where(in1, stride_x1b, stride_x0b))
     stride_xt = tl.where(in2, stride_x2t, tl.where(in1, stride_x1t, stride_x0t))
     stride_xh = tl.where(in2, stride_x2h, tl.where(in1, stride_x1h, stride_x0h))
+    stride_ob = tl.where(in2, stride_o2b, tl.where(in1, stride_o1b, stride_o0b))
+    stride_ot = tl.where(in2, stride_o2t, tl.where(in1, stride_o1t, stride_o0t))
+    stride_oh = tl.where(in2, stride_o2h, tl.where(in1, stride_o1h, stride_o0h))
     first_tile = tl.where(in2, END1, tl.where(in1, END0, 0))
 
     r = (pid - first_tile) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of this tensor
@@ -62,25 +69,22 @@ def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, H
     angle_rows = b * stride_cb + t * stride_ct
     cos = tl.load(COS + angle_rows[:, None] + i[None, :], mask=mask, other=0.0)
     sin = tl.load(SIN + angle_rows[:, None] + i[None, :], mask=mask, other=0.0) * SIGN
-    out_rows = OUT + r.to(tl.int64) * (2 * HALF)
+    out_rows = OUT + b * stride_ob + t * stride_ot + head * stride_oh
     out_ty = OUT.dtype.element_ty
     tl.store(out_rows[:, None] + i[None, :], (x1 * cos - x2 * sin).to(out_ty), mask=mask)
     tl.store(out_rows[:, None] + HALF + i[None, :], (x2 * cos + x1 * sin).to(out_ty), mask=mask)
 
 
-def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-         inverse: bool) -> list[torch.Tensor]:
-    """xs (1 to ROPE_MAX_TENSORS tensors [B, T, heads_k, D] of one B, T, D and dtype; any
-    strides) rotated by the angles of cos/sin [B or 1, T, 1, D/2] (float32), or by their
-    opposites if ``inverse``, in one launch: a new contiguous tensor per x, in x's dtype."""
-    if not 0 < len(xs) <= ROPE_MAX_TENSORS:
-        raise ValueError(f"nsa::rope takes 1 to {ROPE_MAX_TENSORS} tensors, got {len(xs)}")
-    xs = [unit_stride(x) for x in xs]
-    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+def _launch(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
+            sin: torch.Tensor, inverse: bool) -> None:
+    """outs[k] = xs[k] rotated by cos/sin (their opposites if ``inverse``), one launch."""
+    if not 0 < len(xs) <= ROPE_MAX_TENSORS or len(outs) != len(xs):
+        raise ValueError(f"nsa::rope takes 1 to {ROPE_MAX_TENSORS} tensors and as many outputs, "
+                         f"got {len(xs)} and {len(outs)}")
     B, T, _, D = xs[0].shape
     tiles = [cdiv(B * T * x.shape[2], ROPE_ROWS) for x in xs]
     if sum(tiles) == 0:
-        return outs
+        return
     # Unused slots: the first tensor again, with no tiles (no program selects them).
     unused = ROPE_MAX_TENSORS - len(xs)
     slots, out_slots, tiles = xs + xs[:1] * unused, outs + outs[:1] * unused, tiles + [0] * unused
@@ -90,12 +94,35 @@ def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     end1 = end0 + tiles[1]
     _rope_kernel[(end1 + tiles[2],)](
         *slots, *out_slots, cos, sin, B, T, *(x.shape[2] for x in slots), end0, end1,
-        *(stride for x in slots for stride in x.stride()[:3]), stride_cb, cos.stride(1),
+        *(stride for x in slots for stride in x.stride()[:3]),
+        *(stride for out in out_slots for stride in out.stride()[:3]), stride_cb, cos.stride(1),
         SIGN=-1 if inverse else 1, HALF=D // 2, BLOCK_HALF=pow2(D // 2, 1), ROWS=ROPE_ROWS)
+
+
+def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+         inverse: bool) -> list[torch.Tensor]:
+    """xs (1 to ROPE_MAX_TENSORS tensors [B, T, heads_k, D] of one B, T, D and dtype; any
+    strides) rotated by the angles of cos/sin [B or 1, T, 1, D/2] (float32), or by their
+    opposites if ``inverse``, in one launch: a new contiguous tensor per x, in x's dtype."""
+    xs = [unit_stride(x) for x in xs]
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    _launch(xs, outs, cos, sin, inverse)
     return outs
 
 
+def rope_into(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
+              sin: torch.Tensor, inverse: bool) -> None:
+    """:func:`rope` written into ``outs`` (each of its x's shape and dtype, any strides whose
+    last is 1, e.g. views of one gradient), in one launch."""
+    if any(out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1
+           for x, out in zip(xs, outs)):
+        raise ValueError("nsa::rope_into's outputs must match its inputs in shape and dtype, "
+                         "with a last stride of 1")
+    _launch([unit_stride(x) for x in xs], outs, cos, sin, inverse)
+
+
 rope_op = torch.library.custom_op("nsa::rope", rope, mutates_args=())
+rope_into_op = torch.library.custom_op("nsa::rope_into", rope_into, mutates_args=("outs",))
 
 
 @rope_op.register_fake
