@@ -9,7 +9,8 @@ kernels predicts tokens/s. This runs one ``decode_step`` of the preset (random w
 float32, after a prefill) under a dispatch mode that records every aten op except views and
 allocations (which launch nothing). The ops inside ``nsa_decode`` are counted apart: on CUDA
 they are the three fused Triton kernels, here the PyTorch step. A RoPE rotation counts as one
-kernel (``rope``), as it runs on CUDA (nsa/ops/triton/rope.py), and so does the append of a
+kernel (``rope``) for up to three tensors, as it runs on CUDA (nsa/ops/triton/rope.py: the
+queries of NSA, the queries and keys of dense, nsa.layers.projection), and so does the append of a
 step's keys and values to NSA's caches (``append_kv``, nsa/ops/triton/cache_append.py); the
 compressed-token update counts as its kernels (``compress``, nsa/ops/triton/cache_compress.py:
 two per K/V set for the MLP compressor, one for the mean).
@@ -25,13 +26,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa.layers.attention
-import nsa.layers.rope
+import nsa.layers.projection
 from nsa.models import LanguageModel, model_preset
 
 NO_KERNEL_OPS = {"view", "_unsafe_view", "_reshape_alias", "reshape", "expand", "transpose",
             "permute", "t", "slice", "select", "unsqueeze", "squeeze", "split",
             "split_with_sizes", "unbind", "as_strided", "alias", "detach", "lift_fresh",
-            "flatten", "view_as", "empty"}  # views and allocations
+            "flatten", "view_as", "unfold", "narrow", "empty"}  # views and allocations
 FUSED_DECODE_KERNELS = 3  # nsa/ops/triton/decode.py
 ATTENTION = "nsa_decode"  # OpCounter.apart: the ops of the attention step, counted apart
 
@@ -83,7 +84,7 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
     counter = OpCounter()
     with torch.no_grad():
         model.prefill(tokens, cache, torch.full((batch,), prompt))
-        rope = counter.apart(nsa.layers.rope.rotate_torch, "rope")
+        rope = counter.apart(nsa.layers.projection._rotated, "rope")  # up to 3 tensors
         append = counter.apart(nsa.layers.attention.append_kv, "append_kv")
         # per K/V set on CUDA (nsa/ops/triton/cache_compress.py): two kernels for the MLP
         # compressor (its first product, then the rest), one for the mean
@@ -92,8 +93,7 @@ def count_decode_step(preset: str, kind: str, batch: int, prompt: int,
                                "compress", launches=2 * per_set)
         with mock.patch.object(nsa.layers.attention, "nsa_decode",
                                counter.apart(nsa.layers.attention.nsa_decode)), \
-                mock.patch.object(nsa.layers.attention, "rotate", rope), \
-                mock.patch.object(nsa.layers.rope, "rotate", rope), \
+                mock.patch.object(nsa.layers.projection, "_rotated", rope), \
                 mock.patch.object(nsa.layers.attention, "append_kv", append), \
                 mock.patch.object(nsa.layers.attention.NSAttention, "_append_compressed",
                                   update), counter:

@@ -21,9 +21,9 @@ def test_nsa_step_counts_its_cache_writes_apart_from_the_attention():
     assert nsa.layer["append_kv"] == layers and "append_kv" not in dense.layer
     assert nsa.layer["compress"] == 4 * layers and "index_put_" not in nsa.layer
     assert dense.layer["index_put_"] == 2 * layers
-    # one kernel per RoPE rotation, as on CUDA: q (the append rotates the selected and window
-    # keys, the compressed-token update its key), q and k (dense)
-    assert nsa.layer["rope"] == layers and dense.layer["rope"] == 2 * layers
+    # one RoPE kernel per layer, as on CUDA: of q (NSA: the append rotates the selected and
+    # window keys, the compressed-token update its key), of q and k (dense)
+    assert nsa.layer["rope"] == layers and dense.layer["rope"] == layers
     for counter in (nsa, dense):
         assert not set(counter.layer) & decode_ops.NO_KERNEL_OPS
     assert sum(nsa.layer.values()) > 0 and sum(dense.layer.values()) > 0
