@@ -64,10 +64,9 @@ def write_at(buffers: tuple[torch.Tensor, ...], index: torch.Tensor,
 
 def split_kv_sets(kv: torch.Tensor, head_dim_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """An NSA layer's K/V projection [B, T, sets, H, Dk + Dv] -> [(k, v)] of the compressed,
-    selected and window branches, each [B, T, H, D] (one set serves all three when shared)."""
+    selected and window branches, each [B, T, H, D] (one set serves all three when shared):
+    views, for a decode step (training splits the projection with ``split_heads``)."""
     k, v = kv.split([head_dim_k, kv.shape[-1] - head_dim_k], dim=-1)  # [B, T, sets, H, D]
-    # unbind: its backward stacks the sets' gradients in one copy (indexing each set would give
-    # each a zero-filled gradient of the whole projection, then sum them).
     sets = list(zip(k.unbind(2), v.unbind(2)))
     return sets * 3 if len(sets) == 1 else sets
 

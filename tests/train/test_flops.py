@@ -139,7 +139,7 @@ def test_linear_flops_match_torch_flop_counter():
     linear = model_counts[torch.ops.aten.mm] + model_counts[torch.ops.aten.addmm]
     compressors = config.num_layers * (attention_flops_breakdown(config, seq_len)["compressor"]
                                        + compressor_extra_flops(config) / seq_len)
-    # fused_linear pads each projection's rows to FUSED_ALIGN: zero rows multiplied all the same
+    # fused_weight pads each projection's rows to FUSED_ALIGN: zero rows multiplied all the same
     padding = sum(2 * layer.in_features * (-layer.out_features % FUSED_ALIGN)
                   for attention in model.modules() if isinstance(attention, NSAttention)
                   for layer in (attention.q_proj, attention.kv_proj, attention.gate_proj))
