@@ -31,7 +31,9 @@ def bars(ax, labels, pairs, names, title, unit="ms"):
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
         ax.bar(xs, [p[i] for p in pairs], width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
+    # Labels turned where several would overlap.
+    ax.set_xticks(range(len(labels)), labels, rotation=30 if len(labels) > 3 else 0,
+                  ha="right" if len(labels) > 3 else "center")
     ax.set_ylabel(unit)
     ax.set_title(title)
     ax.legend()
