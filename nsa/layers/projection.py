@@ -11,8 +11,8 @@ bytes (a stride off that slows every kernel that reads them).
 :class:`Heads` each: the queries, each K/V set's keys and values, the gate logits), those it
 marks rotated by RoPE, in one autograd node. Unrotated heads are views of y; rotated ones are
 new tensors, one RoPE launch for up to three. Its backward writes y's gradient once: each
-tensor's gradient into its columns (rotated back where it was rotated, into its columns
-directly), zeros where no tensor reads. Split by views (a split of y, the K/V's split into keys
+tensor's gradient straight into its columns (through the inverse rotation where the tensor was
+rotated), zeros where no tensor reads. Split by views (a split of y, the K/V's split into keys
 and values, the sets' unbind), the backward assembled y's gradient level by level, a stack,
 then two concatenations, each a copy of what the previous wrote (bench/NOTES.md, v36).
 """
@@ -83,6 +83,7 @@ class Heads(NamedTuple):
     rotate: bool = False
 
     def columns(self) -> frozenset[int]:
+        """The product's columns this group reads."""
         return frozenset(self.start + i * self.stride + j for i in range(self.heads)
                          for j in range(self.dim))
 
