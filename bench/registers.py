@@ -15,6 +15,7 @@ import triton
 
 import nsa
 import nsa.ops.triton as kernels
+from nsa.ops.triton.jit import triton_function
 
 
 def compiled_kernels():
@@ -23,6 +24,7 @@ def compiled_kernels():
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"{kernels.__name__}.{info.name}")
         for name, fn in vars(module).items():
+            fn = triton_function(fn)
             if isinstance(fn, triton.runtime.jit.JITFunction):
                 for cache in fn.device_caches.values():
                     for kernel in cache[0].values():

@@ -29,6 +29,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from nsa.ops.triton.jit import triton_function
+
 TOOLS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HAS_TOOLS = (TOOLS / "cuobjdump").exists()  # this Triton build carries ptxas and cuobjdump
 REPO = pathlib.Path(__file__).parents[2]
@@ -181,7 +183,8 @@ def copy_races(ttgir: str) -> int:
 def compile_launch(kernel: str, launch: dict):
     """nsa.ops.triton.``kernel`` ("module.name") compiled for ``launch``."""
     module_name, kernel_name = kernel.rsplit(".", 1)
-    fn = getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"), kernel_name)
+    fn = triton_function(getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"),
+                                 kernel_name))
     return compile_sm90(fn, launch["types"], launch["constants"], launch["num_warps"],
                         launch["num_stages"], launch.get("aligned"))
 

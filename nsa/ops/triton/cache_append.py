@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import pow2, unit_stride
 
 
@@ -28,7 +29,7 @@ def _rotate_copy(OUT, SRC, cos, sin, i, mask, HALF: tl.constexpr):
     tl.store(OUT + HALF + i, (x2 * cos + x1 * sin).to(src_ty).to(out_ty), mask=mask)
 
 
-@triton.jit
+@kernel
 def _append_kernel(KV, COS, SIN, POS, K, V, K_WIN, V_WIN, SRC_K, SRC_V,
                    stride_kv_b, stride_kv_set, stride_kv_h, stride_cos_b,
                    CAPACITY, WINDOW, CMP_BLOCK, H,

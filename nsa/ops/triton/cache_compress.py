@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' compute dtypes
@@ -51,7 +52,7 @@ def _block_start(POS, b, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
     return tl.maximum(start, 0), complete
 
 
-@triton.jit
+@kernel
 def _first_product_kernel(RING, POS, POSITION, W1, PARTIAL, POSITION_PARTIAL, COMPUTE_DTYPE,
                           stride_rb, stride_rs, stride_rh, H, HIDDEN,
                           CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
@@ -81,7 +82,7 @@ def _first_product_kernel(RING, POS, POSITION, W1, PARTIAL, POSITION_PARTIAL, CO
                  tl.sum(w * p[None, :], axis=1))
 
 
-@triton.jit
+@kernel
 def _finish_kernel(RING, POS, PARTIAL, POSITION_PARTIAL, B1, W2, B2, COS, SIN, OUT,
                    COMPUTE_DTYPE,
                    stride_rb, stride_rs, stride_rh, stride_ob, stride_on, stride_oh,

@@ -48,6 +48,7 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.finite import launch_per_flag
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     BranchGrad,
     cdiv,
@@ -161,7 +162,7 @@ def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, nu
     return acc
 
 
-@triton.jit
+@kernel
 def _branch_fwd_kernel(
     Q, K, V, KD, VD, O, LSE, tok_pos, tok_cmp_start, KV_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -200,7 +201,7 @@ def _branch_fwd_kernel(
                    BLOCK_DV)
 
 
-@triton.jit
+@kernel
 def _branch_bwd_dq_kernel(
     Q, K, V, KD, VD, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start, KV_FINITE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -314,7 +315,7 @@ def _partial_dkdv(k, v, s, k_ok, acc_k, acc_v, t_lo, t_hi, full_lo, full_hi, num
     return acc_k, acc_v
 
 
-@triton.jit
+@kernel
 def _branch_bwd_dkdv_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, DK_OUT, DV_OUT, tok_pos, tok_cmp_start, key_t_lo,
     key_t_hi, QUERY_FINITE,

@@ -103,6 +103,7 @@ from nsa.ops.triton.common import (
     max_score,
     store_tile,
 )
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import num_sms, pow2
 from nsa.ops.triton.selection import (
     MAX_BLOCK,
@@ -195,7 +196,7 @@ def _window_item(Q, KW, VW, POS, P_M, P_L, P_ACC, slice_id, item, H, SW, NWIN, P
                    BLOCK_DV)
 
 
-@triton.jit
+@kernel
 def _compressed_kernel(
     Q, KC, VC, KW, VW, POS, PART_M, PART_L, PART_ACC, BLK, REF, SEL_TICKET, P_M, P_L, P_ACC,
     H, C, NB, NT, S1, SW, NWIN, P_SEL, P_WIN, scale_log2,
@@ -379,7 +380,7 @@ def _merge_compressed(PART_M, PART_L, PART_ACC, GATES, BASE, rows, row_ok, S1, s
     store_tile(BASE + rows * DV, o * gate[:, None], row_ok, DV, BLOCK_DV)
 
 
-@triton.jit
+@kernel
 def _select_kernel(
     POS, GATES, PART_M, PART_L, PART_ACC, BLK, REF, SCORE, CAND, SEL_TICKET, BLOCKS, COUNTER,
     BASE,
@@ -409,7 +410,7 @@ def _select_kernel(
         gdc_launch_dependents()
 
 
-@triton.jit
+@kernel
 def _selected_kernel(
     Q, K, V, POS, GATES, BLOCKS, COUNTER, BASE, P_M, P_L, P_ACC, OUT,
     H, S, P_SEL, P_WIN, scale_log2,

@@ -16,17 +16,17 @@ already, those of the query side (gating.py).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from nsa.ops.triton.common import all_finite, load_tile
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2, strides
 
 FINITE_ROWS = 64  # tokens per program
 MAX_PAIRS = 3  # (keys, values) pairs per launch: the op's three branches
 
 
-@triton.jit
+@kernel
 def _kv_finite_kernel(
     K0, V0, K1, V1, K2, V2, FINITE, H, N0, N1, N2,
     sk0b, sk0n, sk0h, sv0b, sv0n, sv0h, sk1b, sk1n, sk1h, sv1b, sv1n, sv1h,

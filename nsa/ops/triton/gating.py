@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.triton.common import all_finite, load_tile, store_rows
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2, strides
 
 GATE_ROWS = 16  # rows per program of the gate backward
@@ -86,7 +87,7 @@ def _branch_gate_grad(do, O, GATES, GATE, DELTA, DGATES, branch: tl.constexpr, r
     tl.store(GATE + r, tl.load(GATES + gates, mask=row_ok).to(tl.float32), mask=row_ok)
 
 
-@triton.jit
+@kernel
 def _gate_backward_kernel(DO, GATES, O_CMP, O_SLC, O_WIN, GATE_CMP, GATE_SLC, GATE_WIN,
                           DELTA_CMP, DELTA_SLC, DELTA_WIN, DGATES, Q, QUERY_FINITE, N, T, HQ, G,
                           stride_qb, stride_qt, stride_qh, DV: tl.constexpr,

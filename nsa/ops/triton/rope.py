@@ -20,16 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 
 ROPE_ROWS = 32  # (b, t, head) rows per program
 ROPE_MAX_TENSORS = 3  # tensors rotated by one launch (the kernel's slots)
 
 
-@triton.jit
+@kernel
 def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, HEADS2,
                  END0, END1, stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
                  stride_x1h, stride_x2b, stride_x2t, stride_x2h, stride_o0b, stride_o0t,

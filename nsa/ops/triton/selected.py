@@ -29,6 +29,7 @@ from nsa.ops.triton.common import (
     softmax_step,
 )
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     TUNING,
     BranchGrad,
@@ -99,7 +100,7 @@ def _selected_block(K, V, KD, VD, IDX, b, h, t, seq_start, slot, stride_kb, stri
     return k, v, k_ok
 
 
-@triton.jit
+@kernel
 def _selected_fwd_kernel(
     Q, K, V, KD, VD, IDX, O, LSE, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -139,7 +140,7 @@ def _selected_fwd_kernel(
                         BLOCK_DV, GATED)
 
 
-@triton.jit
+@kernel
 def _selected_bwd_dq_kernel(
     Q, K, V, KD, VD, IDX, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, TOK_POS,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,

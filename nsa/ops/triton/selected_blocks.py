@@ -63,6 +63,7 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     TUNING,
     BranchGrad,
@@ -112,7 +113,7 @@ def segment_entries(G: int) -> int:
     return TUNING["selected_block_fwd" if per_block(G) else "selected_dkdv"]["segment"]
 
 
-@triton.jit
+@kernel
 def _segment_starts_kernel(OFFSETS, SEG_FIRST, NUM_LISTS, SEGMENT: tl.constexpr,
                            BLOCK: tl.constexpr):
     """SEG_FIRST [NUM_LISTS + 1]: the first segment of each list (lists of OFFSETS[i + 1] -
@@ -238,7 +239,7 @@ def _attend_entries(e_start, e_hi, s, k_ok, k, v, Q, ENTRIES, O_PART, LSE_PART, 
     tl.store(LSE_PART + part, lse, mask=row_ok)
 
 
-@triton.jit
+@kernel
 def _block_fwd_kernel(
     Q, K, V, O_PART, LSE_PART, block_token_start, block_token_end, SEG_FIRST, OFFSETS, ENTRIES,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -293,7 +294,7 @@ def _position_slots(TOK_POS, T0, TC, H, G: tl.constexpr, BLOCK_G: tl.constexpr,
     return b, T0 + t, h * G + g, g < G, first, num_blocks
 
 
-@triton.jit
+@kernel
 def _merge_partials_kernel(
     O_PART, LSE_PART, O, LSE, TOK_POS, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, T0, TC, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
@@ -349,7 +350,7 @@ def _block_bwd_entries(e_start, e_hi, s, k_ok, k, v, acc_k, acc_v, Q, DO, GATE, 
     return acc_k, acc_v
 
 
-@triton.jit
+@kernel
 def _block_bwd_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, DK_OUT, DV_OUT, DK_PART, DV_PART, DQ_PART,
     block_token_start, block_token_end, SEG_FIRST, OFFSETS, ENTRIES,
@@ -414,7 +415,7 @@ def _sum_block_segments(PART, OUT, b, h, s, s_ok, rows, first, end, stride_b, st
     accumulate_tile(out_rows, out_rows, acc, s_ok, D, BLOCK_D, ACCUMULATE)
 
 
-@triton.jit
+@kernel
 def _sum_segments_kernel(
     DK_PART, DV_PART, DK, DV, block_token_start, block_token_end, SEG_FIRST,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, H, NUM_GLOBAL_BLOCKS,
@@ -447,7 +448,7 @@ def _sum_segments_kernel(
                             stride_vt, stride_vh, DV_DIM, BLOCK_DV, BLOCK_S, ROWS, ACCUMULATE)
 
 
-@triton.jit
+@kernel
 def _sum_dq_kernel(
     DQ_PART, DQ_IN, DQ_OUT, TOK_POS, stride_qb, stride_qt, stride_qh, T0, TC, H,
     G: tl.constexpr, DK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DK: tl.constexpr,

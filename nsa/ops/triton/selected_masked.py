@@ -63,6 +63,7 @@ from nsa.ops.triton.common import (
 )
 from nsa.ops.triton.finite import launch_per_flag
 from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     BranchGrad,
     cdiv,
@@ -142,7 +143,7 @@ def _tile_selection(bits, every_bits, some_bits, start, SEL_BLOCK: tl.constexpr)
     return chosen, ((every_bits >> block) & 1) != 0, ((some_bits >> block) & 1) != 0
 
 
-@triton.jit
+@kernel
 def _selection_bits_kernel(IDX, BITS, N, NUM_SELECTED: tl.constexpr, BLOCK_NSEL: tl.constexpr,
                            ROWS: tl.constexpr):
     """BITS[r] = the int64 mask of the blocks of IDX[r] (slots of -1 are unused), for ROWS of
@@ -156,7 +157,7 @@ def _selection_bits_kernel(IDX, BITS, N, NUM_SELECTED: tl.constexpr, BLOCK_NSEL:
     tl.store(BITS + r, tl.reduce(bits, 1, _bit_or), mask=r < N)
 
 
-@triton.jit
+@kernel
 def _masked_fwd_kernel(
     Q, K, V, KD, VD, BITS, KV_FINITE, O, LSE,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -218,7 +219,7 @@ def _masked_fwd_kernel(
                             scale_log2, DV, BLOCK_DV, GATED)
 
 
-@triton.jit
+@kernel
 def _masked_dq_kernel(
     Q, K, V, KD, VD, BITS, KV_FINITE, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -274,7 +275,7 @@ def _masked_dq_kernel(
                         BLOCK_DK, ACCUMULATE)
 
 
-@triton.jit
+@kernel
 def _masked_dkdv_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, BITS, DK_OUT, DV_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,

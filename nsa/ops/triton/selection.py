@@ -31,6 +31,7 @@ import triton.language as tl
 
 from nsa.ops.params import LOG2E
 from nsa.ops.triton.common import compressed_count, dot, exp_from, load_tile, longest_first
+from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     TUNING,
     cdiv,
@@ -98,7 +99,7 @@ def key_blocks(keys, chosen, INDEX_BITS: tl.constexpr = 0):
     return tl.where(chosen, block, MAX_BLOCK)
 
 
-@triton.jit
+@kernel
 def _select_kernel(
     Q, KC, LSE, IDX, tile_start, tile_end, tile_seq_start, tile_cmp_start,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_lb, stride_lt,
