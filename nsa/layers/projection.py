@@ -158,11 +158,9 @@ def _rotated(xs: list[torch.Tensor], cos, sin, kernel: bool) -> list[torch.Tenso
     if not kernel:
         return [rotate_torch(x, cos, sin) for x in xs]
     from nsa.ops.triton.launch import call_op
-    from nsa.ops.triton.rope import ROPE_MAX_TENSORS, rope, rope_op
+    from nsa.ops.triton.rope import rope, rope_op
 
-    return [out for first in range(0, len(xs), ROPE_MAX_TENSORS)
-            for out in call_op(rope_op, rope, xs[first:first + ROPE_MAX_TENSORS], cos, sin,
-                               False)]
+    return call_op(rope_op, rope, xs, cos, sin, False) if xs else []
 
 
 def _rotate_back_into(grads: list[torch.Tensor], outs: list[torch.Tensor], cos, sin,
@@ -173,11 +171,10 @@ def _rotate_back_into(grads: list[torch.Tensor], outs: list[torch.Tensor], cos, 
             out.copy_(rotate_torch(grad, cos, -sin))
         return
     from nsa.ops.triton.launch import call_op
-    from nsa.ops.triton.rope import ROPE_MAX_TENSORS, rope_into, rope_into_op
+    from nsa.ops.triton.rope import rope_into, rope_into_op
 
-    for first in range(0, len(grads), ROPE_MAX_TENSORS):
-        last = first + ROPE_MAX_TENSORS
-        call_op(rope_into_op, rope_into, grads[first:last], outs[first:last], cos, sin, True)
+    if grads:
+        call_op(rope_into_op, rope_into, grads, outs, cos, sin, True)
 
 
 class _SplitHeads(torch.autograd.Function):

@@ -1,5 +1,5 @@
-"""The Triton RoPE kernel (nsa/ops/triton/rope.py), which rotates up to three tensors in one
-launch, equals the PyTorch rotation of each, forward and backward: strided views of one
+"""The Triton RoPE kernel (nsa/ops/triton/rope.py), which rotates up to three tensors a
+launch (more take several), equals the PyTorch rotation of each, forward and backward: strided views of one
 projection as the layer passes them, heads that differ per tensor, angles per sequence or
 shared, a head dim whose half is not a power of two, an output left out of the loss; the
 inverse undoes it, rope_into writes into strided views, the ops pass opcheck, and NSAttention
@@ -23,7 +23,7 @@ from nsa.ops.triton.rope import rope_into, rope_into_op, rope_op, rope_triton_ma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-HEADS = (3, 1, 2)  # heads of the first, second and third tensor
+HEADS = (3, 1, 2, 2, 1)  # heads of the tensors; more than ROPE_MAX_TENSORS: two launches
 
 
 def angles(B_angles, T, D, seed=0):
@@ -48,7 +48,7 @@ def projection(B, T, heads, D, dtype, seed=1):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B_angles", [1, 2], ids=["shared-angles", "per-sequence"])
 @pytest.mark.parametrize("D", [16, 10])
-@pytest.mark.parametrize("count", [1, 2, 3])
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_triton_rope_equals_torch_forward_and_backward(count, D, B_angles, dtype):
     B, T, heads = 2, 7, HEADS[:count]
     base, views = projection(B, T, heads, D, dtype)
@@ -111,7 +111,8 @@ def test_rope_into_writes_the_rotations_into_strided_views():
     base, views = projection(B, T, HEADS, D, torch.float32)
     cos, sin = angles(2, T, D)
     target = torch.zeros(B, T, sum(HEADS) + 3, D + 2, device=DEVICE)
-    outs = [target[:, :, 3 + s:3 + s + h, 1:1 + D] for s, h in zip((0, 3, 4), HEADS)]
+    starts = [3 + sum(HEADS[:k]) for k in range(len(HEADS))]
+    outs = [target[:, :, s:s + h, 1:1 + D] for s, h in zip(starts, HEADS, strict=True)]
     rope_into(views(base), outs, cos, sin, True)
     for out, x in zip(outs, views(base), strict=True):
         torch.testing.assert_close(out, rotate_torch(x, cos, -sin), rtol=0, atol=1e-6)

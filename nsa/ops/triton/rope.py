@@ -1,4 +1,4 @@
-"""Rotary position embedding of up to three tensors at the same positions in one Triton kernel,
+"""Rotary position embedding of tensors at the same positions, up to three per Triton launch,
 forward and backward (the rotation's backward is the rotation by the opposite angle),
 registered as the op ``nsa::rope``; ``nsa::rope_into`` writes its rotations into given tensors
 (the views of one gradient in ``nsa.layers.projection``).
@@ -75,12 +75,10 @@ def _rope_kernel(X0, X1, X2, OUT0, OUT1, OUT2, COS, SIN, B, T, HEADS0, HEADS1, H
     tl.store(out_rows[:, None] + HALF + i[None, :], (x2 * cos + x1 * sin).to(out_ty), mask=mask)
 
 
-def _launch(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
-            sin: torch.Tensor, inverse: bool) -> None:
-    """outs[k] = xs[k] rotated by cos/sin (their opposites if ``inverse``), one launch."""
-    if not 0 < len(xs) <= ROPE_MAX_TENSORS or len(outs) != len(xs):
-        raise ValueError(f"nsa::rope takes 1 to {ROPE_MAX_TENSORS} tensors and as many outputs, "
-                         f"got {len(xs)} and {len(outs)}")
+def _launch_slots(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor, inverse: bool) -> None:
+    """outs[k] = xs[k] rotated by cos/sin (their opposites if ``inverse``), 1 to
+    ROPE_MAX_TENSORS tensors in one launch."""
     B, T, _, D = xs[0].shape
     tiles = [cdiv(B * T * x.shape[2], ROPE_ROWS) for x in xs]
     if sum(tiles) == 0:
@@ -88,7 +86,6 @@ def _launch(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
     # Unused slots: the first tensor again, with no tiles (no program selects them).
     unused = ROPE_MAX_TENSORS - len(xs)
     slots, out_slots, tiles = xs + xs[:1] * unused, outs + outs[:1] * unused, tiles + [0] * unused
-    cos, sin = cos.contiguous(), sin.contiguous()
     stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
     end0 = tiles[0]
     end1 = end0 + tiles[1]
@@ -99,11 +96,24 @@ def _launch(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
         SIGN=-1 if inverse else 1, HALF=D // 2, BLOCK_HALF=pow2(D // 2, 1), ROWS=ROPE_ROWS)
 
 
+def _launch(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
+            sin: torch.Tensor, inverse: bool) -> None:
+    """outs[k] = xs[k] rotated by cos/sin (their opposites if ``inverse``): one launch per
+    ROPE_MAX_TENSORS tensors."""
+    if len(outs) != len(xs):
+        raise ValueError(f"nsa::rope takes as many outputs as tensors, got {len(xs)} tensors "
+                         f"and {len(outs)} outputs")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    for first in range(0, len(xs), ROPE_MAX_TENSORS):
+        last = first + ROPE_MAX_TENSORS
+        _launch_slots(xs[first:last], outs[first:last], cos, sin, inverse)
+
+
 def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
          inverse: bool) -> list[torch.Tensor]:
-    """xs (1 to ROPE_MAX_TENSORS tensors [B, T, heads_k, D] of one B, T, D and dtype; any
-    strides) rotated by the angles of cos/sin [B or 1, T, 1, D/2] (float32), or by their
-    opposites if ``inverse``, in one launch: a new contiguous tensor per x, in x's dtype."""
+    """xs (tensors [B, T, heads_k, D] of one B, T, D and dtype; any strides) rotated by the
+    angles of cos/sin [B or 1, T, 1, D/2] (float32), or by their opposites if ``inverse``, one
+    launch per ROPE_MAX_TENSORS tensors: a new contiguous tensor per x, in x's dtype."""
     xs = [unit_stride(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
     _launch(xs, outs, cos, sin, inverse)
@@ -113,7 +123,7 @@ def rope(xs: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
 def rope_into(xs: list[torch.Tensor], outs: list[torch.Tensor], cos: torch.Tensor,
               sin: torch.Tensor, inverse: bool) -> None:
     """:func:`rope` written into ``outs`` (each of its x's shape and dtype, any strides whose
-    last is 1, e.g. views of one gradient), in one launch."""
+    last is 1, e.g. views of one gradient), one launch per ROPE_MAX_TENSORS tensors."""
     if any(out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1
            for x, out in zip(xs, outs)):
         raise ValueError("nsa::rope_into's outputs must match its inputs in shape and dtype, "
@@ -149,11 +159,6 @@ class _RopeFunction(torch.autograd.Function):
 def rope_triton_many(xs: Sequence[torch.Tensor], cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each x [B, T, heads_k, D] of ``xs`` (one B, T, D and dtype) rotated by cos/sin [B or 1, T,
-    1, D/2] (float32), in x's dtype: one autograd node and one launch, forward and backward,
+    1, D/2] (float32), in x's dtype: one autograd node, and one launch forward and one backward
     per ROPE_MAX_TENSORS tensors."""
-    xs = tuple(xs)
-    rotated = ()
-    for first in range(0, len(xs), ROPE_MAX_TENSORS):
-        rotated += _RopeFunction.apply(cos, sin, *xs[first:first + ROPE_MAX_TENSORS])
-    return rotated
-
+    return _RopeFunction.apply(cos, sin, *xs)
