@@ -1,10 +1,10 @@
-"""The Triton RoPE kernel (nsa/ops/triton/rope.py), which rotates up to three tensors a
-launch (more take several), equals the PyTorch rotation of each, forward and backward: strided views of one
-projection as the layer passes them, heads that differ per tensor, angles per sequence or
-shared, a head dim whose half is not a power of two, an output left out of the loss; the
-inverse undoes it, rope_into writes into strided views, the ops pass opcheck, and NSAttention
-rotates its queries and keys in one launch forward and one backward. ``rotate_many`` refuses
-tensors that disagree. On a machine without CUDA it runs in Triton's interpreter."""
+"""The Triton RoPE kernel (nsa/ops/triton/rope.py), which rotates up to three tensors a launch
+(more take several), equals the PyTorch rotation of each, forward and backward: strided views of
+one projection as the layer passes them, heads that differ per tensor, angles per sequence or
+shared, a head dim whose half is not a power of two, an output left out of the loss; the inverse
+undoes it, rope_into writes into strided views, the ops pass opcheck, and NSAttention rotates
+its queries and keys in one launch forward and one backward. ``rotate_many`` refuses tensors
+that disagree. On a machine without CUDA it runs in Triton's interpreter."""
 
 from unittest import mock
 
