@@ -25,7 +25,14 @@ from op_host import gpu_ms  # bench/op_host.py
 
 import nsa
 from nsa.ops.params import NSAParams
-from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.compressed_window import (
+    MODE_CMP,
+    MODE_WIN,
+    DqBranch,
+    branch_dkdv,
+    branch_forward,
+    branches_dq,
+)
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum
 from nsa.ops.triton.launch import (
@@ -53,7 +60,7 @@ from nsa.train.checkpoint import atomic_write_json
 CALLS = 20  # calls profiled per launch shape
 KERNELS = {  # family -> the name of the kernel it tunes (a call may launch others)
     "cmp_fwd": "_branch_fwd_kernel", "win_fwd": "_branch_fwd_kernel",
-    "cmp_dq": "_branch_bwd_dq_kernel", "win_dq": "_branch_bwd_dq_kernel",
+    "cw_dq": "_branches_dq_kernel",
     "cmp_dkdv": "_branch_bwd_dkdv_kernel", "win_dkdv": "_branch_bwd_dkdv_kernel",
     "select": "_select_kernel", "selected_fwd": "_selected_fwd_kernel",
     "masked_fwd": "_masked_fwd_kernel", "selected_dq": "_selected_bwd_dq_kernel",
@@ -86,10 +93,13 @@ def stages(B, T, HQ, H, D):
 
     query_finite = torch.ones(B, H, dtype=torch.int8, device="cuda")  # finite inputs
 
-    def backward(kv, grad, lse, d, mode):
-        kv_finite = cmp_finite if mode == MODE_CMP else win_finite
-        return lambda: branch_backward(q, *kv, grad, lse, d, dq, layout, mode, PAPER, scale,
-                                       kv_finite, query_finite)
+    def dkdv(kv, grad, lse, d, mode):
+        return lambda: branch_dkdv(q, *kv, grad, lse, d, layout, mode, PAPER, scale,
+                                   query_finite)
+
+    dq_out = torch.empty_like(q)
+    cmp_dq = DqBranch(kc, vc, g_cmp.gate, lse_cmp, d_cmp, cmp_finite)
+    win_dq = DqBranch(k, v, g_win.gate, lse_win, d_win, win_finite)
 
     masked = masked_causal_selection(T, PAPER, packed=False)
     selection = masked_selection(idx, slc_finite) if masked else None
@@ -106,9 +116,10 @@ def stages(B, T, HQ, H, D):
         "masked_fwd": [
             ("slc+sum", lambda: masked_forward(q, k, v, selection, PAPER, scale, gated))]
         if masked else [],
-        # dq and dK/dV run in one call: each family is tuned with the other at its default.
-        "cmp_dq": [("cmp bwd", backward((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP))],
-        "win_dq": [("win bwd", backward((k, v), g_win, lse_win, d_win, MODE_WIN))],
+        "cw_dq": [("cmp+win dq", lambda: branches_dq(q, do, cmp_dq, win_dq, dq, dq_out,
+                                                     layout, PAPER, scale))],
+        "cmp_dkdv": [("cmp dkdv", dkdv((kc, vc), g_cmp, lse_cmp, d_cmp, MODE_CMP))],
+        "win_dkdv": [("win dkdv", dkdv((k, v), g_win, lse_win, d_win, MODE_WIN))],
         "selected_dq": [("slc dq", lambda: position_dq(
             q, k, v, idx, g_slc, lse_slc, d_slc, dq, layout, PAPER, scale))],
         "selected_dkdv": [
@@ -133,7 +144,8 @@ def main(argv=None):
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--num-stages", default="1,2,3")
     parser.add_argument("--keys", default="",
-                        help="keys per tile of the compressed and window families (default: "
+                        help="keys per tile of the compressed and window families (cw_dq: its "
+                        "compressed branch's; default: "
                         "each family's own)")
     parser.add_argument("--transposed", default="",
                         help="0,1: the compressed and window dK/dV with p^T, dS^T computed as "
@@ -141,7 +153,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,"
                         "selected_block_fwd,masked_fwd,"
-                        "cmp_dq,win_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
+                        "cw_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
                         "masked_dkdv")
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
@@ -153,7 +165,6 @@ def main(argv=None):
                                   [int(k) for k in args.keys.split(",") if k] or [None],
                                   [bool(int(t)) for t in args.transposed.split(",") if t]
                                   or [None]))
-    work["cmp_dkdv"], work["win_dkdv"] = work["cmp_dq"], work["win_dq"]  # one backward call
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
     where = f"{args.batch} x {args.seq}, {HQ}/{H}/{args.dim}"

@@ -42,7 +42,7 @@ TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 OPTIONS = ("num_warps", "num_stages")
 # Kernels the recorded work must launch (the recording itself is checked by this).
 EXPECTED = {
-    "compressed_window._branch_fwd_kernel", "compressed_window._branch_bwd_dq_kernel",
+    "compressed_window._branch_fwd_kernel", "compressed_window._branches_dq_kernel",
     "compressed_window._branch_bwd_dkdv_kernel", "selection._select_kernel",
     "selected._selected_fwd_kernel", "selected._selected_bwd_dq_kernel",
     "selected_blocks._block_fwd_kernel", "selected_blocks._merge_partials_kernel",

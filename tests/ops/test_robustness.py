@@ -151,12 +151,15 @@ BRANCH_P = NSAParams(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, win
 def run_branch(mode, q, do, k, v):
     """The compressed (mode "compressed") or window branch's kernels alone at the BRANCH_
     shape, forward and backward (output gradient do, gates of 1), with the flags of their
-    inputs (finite_flags) -> (o, lse, dq, dk, dv)."""
+    inputs (finite_flags) -> (o, lse, dq, dk, dv). The dq kernel runs both branches: the
+    other one silent (zero keys and values, gates of 0)."""
     from nsa.ops.triton.compressed_window import (
         MODE_CMP,
         MODE_WIN,
-        branch_backward,
+        DqBranch,
+        branch_dkdv,
         branch_forward,
+        branches_dq,
     )
     from nsa.ops.triton.launch import BranchGrad
     from nsa.ops.triton.tables import build_tables
@@ -167,9 +170,17 @@ def run_branch(mode, q, do, k, v):
     grad = BranchGrad.ungated(do)
     kv_finite = finite_flags(k, v)
     o, lse = branch_forward(q, k, v, tables, branch, p, D ** -0.5, kv_finite)
-    dq = torch.zeros_like(q)
-    dk, dv = branch_backward(q, k, v, grad, lse, (o * do).sum(-1), dq, tables, branch, p,
-                             D ** -0.5, kv_finite, finite_flags(q, do, grad.gate))
+    delta = (o * do).sum(-1)
+    this = DqBranch(k, v, grad.gate, lse, delta, kv_finite)
+    keys = T if mode == "compressed" else p.compressed_length(T)  # the other branch's
+    silent = torch.zeros(q.shape[0], keys, *k.shape[2:], device=DEVICE)
+    rows = torch.zeros_like(lse)
+    other = DqBranch(silent, silent, rows, rows, rows, finite_flags(silent, silent))
+    dq = torch.empty_like(q)
+    branches_dq(q, do, *((this, other) if mode == "compressed" else (other, this)),
+                torch.zeros_like(q), dq, tables, p, D ** -0.5)
+    dk, dv = branch_dkdv(q, k, v, grad, lse, delta, tables, branch, p, D ** -0.5,
+                         finite_flags(q, do, grad.gate))
     return o, lse, dq, dk, dv
 
 

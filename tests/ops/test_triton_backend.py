@@ -437,14 +437,17 @@ def test_key_tiles_are_tuned_for_16_bit_tiles_only():
         launch_keys,
     )
 
-    assert launch_keys("cmp_dq", 128, 2) == TUNING["cmp_dq"]["keys"]
-    assert launch_keys("cmp_dq", 64, 2) == NARROW_TUNING["cmp_dq"]["keys"]
+    assert launch_keys("cw_dq", 128, 2) == TUNING["cw_dq"]["keys"]
+    assert launch_keys("cw_dq", 64, 2) == NARROW_TUNING["cw_dq"]["keys"]
+    # A field the narrow entry leaves out comes from TUNING's.
+    assert launch_keys("cw_dq", 64, 2, field="win_keys") == TUNING["cw_dq"]["win_keys"]
     assert launch_keys("cmp_fwd", 64, 2) == TUNING["cmp_fwd"]["keys"]  # no narrow entry
     # Wide tiles take at most KEYS_WIDE keys, wide float32 ones (float32 counts as twice the
     # head dim) 1 / FLOAT32_SHRINK of that; float32 tiles of width <= 128 their tuned keys.
     assert launch_keys("win_fwd", 192, 2) == min(TUNING["win_fwd"]["keys"], KEYS_WIDE)
-    assert launch_keys("cmp_dq", 128, 4) == KEYS_WIDE // FLOAT32_SHRINK
-    assert launch_keys("cmp_dq", 64, 4) == TUNING["cmp_dq"]["keys"]
+    assert launch_keys("cw_dq", 128, 4) == KEYS_WIDE // FLOAT32_SHRINK
+    assert launch_keys("cw_dq", 128, 4, field="win_keys") == KEYS_WIDE // FLOAT32_SHRINK
+    assert launch_keys("cw_dq", 64, 4) == TUNING["cw_dq"]["keys"]
 
 
 @pytest.mark.parametrize("keys", [16, 128])
@@ -454,12 +457,12 @@ def test_triton_matches_reference_at_other_key_tiles(keys, monkeypatch):
     tokens, a window of 130)."""
     from nsa.ops.triton.launch import NARROW_TUNING, TUNING
 
-    for branch in ("cmp", "win"):
-        for kind in ("fwd", "dq", "dkdv"):
-            family = f"{branch}_{kind}"
-            monkeypatch.setitem(TUNING, family, dict(TUNING[family], keys=keys))
-            if family in NARROW_TUNING:
-                monkeypatch.setitem(NARROW_TUNING, family, dict(NARROW_TUNING[family], keys=keys))
+    fields = {"cw_dq": ("keys", "win_keys")}
+    for family in ("cmp_fwd", "win_fwd", "cw_dq", "cmp_dkdv", "win_dkdv"):
+        tiles = dict.fromkeys(fields.get(family, ("keys",)), keys)
+        monkeypatch.setitem(TUNING, family, dict(TUNING[family], **tiles))
+        if family in NARROW_TUNING:
+            monkeypatch.setitem(NARROW_TUNING, family, dict(NARROW_TUNING[family], **tiles))
     run_case(CASES[-1], torch.float32)
 
 
@@ -488,11 +491,11 @@ def test_triton_matches_reference_with_transposed_dkdv_tiles(case, monkeypatch):
 def test_launch_shapes_halve_rows_per_doubling_of_the_tile_width():
     from nsa.ops.triton.launch import TUNING, launch_shape
 
-    rows = TUNING["win_dq"]["rows"]
-    assert launch_shape("win_dq", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
+    rows = TUNING["cw_dq"]["rows"]
+    assert launch_shape("cw_dq", 2, 128, 2) == (rows, dict(num_warps=8, num_stages=2))
     # float32 counts as twice the head dim (the float32 GPU cases ran out of shared memory),
     # and its wide tiles halve their rows once more (FLOAT32_SHRINK: spills of the products).
-    assert launch_shape("win_dq", 2, 64, 4) == launch_shape("win_dq", 2, 128, 2)  # width 128
-    assert launch_shape("win_dq", 2, 128, 4) == (rows // 4, dict(num_warps=8, num_stages=1))
-    assert launch_shape("win_dq", 6, 192, 4)[0] == rows // 8
-    assert launch_shape("win_dq", 64, 192, 4)[0] == 64  # never below the group
+    assert launch_shape("cw_dq", 2, 64, 4) == launch_shape("cw_dq", 2, 128, 2)  # width 128
+    assert launch_shape("cw_dq", 2, 128, 4) == (rows // 4, dict(num_warps=8, num_stages=1))
+    assert launch_shape("cw_dq", 6, 192, 4)[0] == rows // 8
+    assert launch_shape("cw_dq", 64, 192, 4)[0] == 64  # never below the group

@@ -4,8 +4,9 @@ autograd.Function that calls the backward op.
 
 Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> window
 attention -> selected attention, whose kernel also writes the gated sum of the three. Each branch
-output is kept in float32 for the backward, which runs one dq and one dk/dv kernel per branch
-(deterministic: no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
+output is kept in float32 for the backward, which runs one dk/dv kernel per branch, the selected
+branch's dq, and one dq kernel for the compressed and window branches together (deterministic:
+no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
 backward's delta = do · o then carries the output's rounding, and where dp - delta cancels the
 gradients miss the tolerances (bench/NOTES.md, v6).
 Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``
@@ -18,7 +19,14 @@ from __future__ import annotations
 import torch
 
 from nsa.ops.params import NSAParams
-from nsa.ops.triton.compressed_window import MODE_CMP, MODE_WIN, branch_backward, branch_forward
+from nsa.ops.triton.compressed_window import (
+    MODE_CMP,
+    MODE_WIN,
+    DqBranch,
+    branch_dkdv,
+    branch_forward,
+    branches_dq,
+)
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
 from nsa.ops.triton.launch import BranchGrad, call_op, unit_stride
@@ -56,19 +64,20 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
                                                       k.shape[2])
     # Branch i's output gradient is gate[i] · grad_out: its kernels apply the gate.
     cmp_grad, slc_grad, win_grad = (BranchGrad(grad_out, g) for g in gate)
-    # dq: the compressed branch writes the float32 sum, the selected branch adds to it, the
-    # window branch adds its own and writes the total in q's dtype (no zero fill, no cast),
-    # into a dq allocated only then: not held through the selected branch's partials.
+    # dq: the selected branch writes its float32 dq, and one kernel adds the compressed and
+    # window branches' and writes the total in q's dtype (no zero fill, no cast), into a dq
+    # allocated only then: not held through the selected branch's partials.
     dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk_cmp, dv_cmp = branch_backward(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], dq_sum,
-                                     tables, MODE_CMP, params, scale, kv_finite[0],
-                                     query_finite, accumulate=False)
     dk, dv = selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables,
-                               params, scale, kv_finite[1])
+                               params, scale, kv_finite[1], accumulate=False)
     dq = torch.empty_like(q)
-    dk_win, dv_win = branch_backward(q, k_win, v_win, win_grad, lse_win, delta[2], dq_sum,
-                                     tables, MODE_WIN, params, scale, kv_finite[2],
-                                     query_finite, dq_out=dq)
+    branches_dq(q, grad_out, DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0]),
+                DqBranch(k_win, v_win, gate[2], lse_win, delta[2], kv_finite[2]), dq_sum, dq,
+                tables, params, scale)
+    dk_cmp, dv_cmp = branch_dkdv(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], tables,
+                                 MODE_CMP, params, scale, query_finite)
+    dk_win, dv_win = branch_dkdv(q, k_win, v_win, win_grad, lse_win, delta[2], tables,
+                                 MODE_WIN, params, scale, query_finite)
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
 
 

@@ -233,13 +233,14 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
 @triton.jit
 def dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE: tl.constexpr,
             PARTIAL: tl.constexpr, MASKED: tl.constexpr = True, MASK_DS: tl.constexpr = False,
-            SMALL_SCALE: tl.constexpr = False):
+            SMALL_SCALE: tl.constexpr = False, gate=None):
     """acc [rows, DK] += dS k over a tile of keys; a PARTIAL tile multiplies k's finite part
     (a non-finite key already makes the dS of the pairs that see it NaN). MASK_DS: dS is 0
     where not ``valid`` (a masked tile whose keys and values are known finite, but whose rows'
-    do and delta may not be: a row that sees no key gets no gradient)."""
+    do and delta may not be: a row that sees no key gets no gradient). With a ``gate`` per
+    row, dS is multiplied by it (one accumulator for two branches of different gates)."""
     p, ds = probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE, PARTIAL,
-                              MASKED, MASK_DS=MASK_DS, SMALL_SCALE=SMALL_SCALE)
+                              MASKED, gate, MASK_DS=MASK_DS, SMALL_SCALE=SMALL_SCALE)
     if PARTIAL:
         k, _ = finite_part(k)
     return acc + dot(ds.to(k.dtype), k, IEEE)

@@ -7,8 +7,10 @@ Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R //
 positions times the ``G`` query heads that share the KV head, so small groups still fill a
 matrix tile (no padding of G). Every row knows its own key range, which also handles packed
 variable-length batches. Forward writes the branch output (float32) and its log-sum-exp
-(base 2); backward is deterministic: one kernel for dq (per query tile), one for dk/dv (per key
-tile, looping over the queries that can see it), no atomics.
+(base 2); backward is deterministic, no atomics: one kernel for dK/dV per branch (per key tile,
+looping over the queries that can see it), and one dq kernel for both branches (per query
+tile: q and do read once, one accumulator, each branch's gate multiplying its dS; it adds the
+selected branch's float32 dq and writes dq in q's dtype, so the float32 sum is read once).
 
 Each kernel's loop runs in two parts: first the partial tiles, which hold a masked pair (the
 diagonal, the window's lower edge, sequence boundaries, the ends) and multiply finite parts
@@ -27,6 +29,8 @@ fast path free of it (bench/NOTES.md, twenty-fifth session).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -148,17 +152,47 @@ def _partial_forward(q, m, l, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_par
 @triton.jit
 def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial, lo_r,
                 hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                scale_log2, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                scale_log2, gate, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                 PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
     """dq's partial key tiles, as ``_partial_forward``'s (dS masked either way: a row's do and
-    delta may not be finite, and a row that sees no key gets no gradient)."""
+    delta may not be finite, and a row that sees no key gets no gradient), dS multiplied by
+    each row's gate."""
     for i in range(0, num_partial):
         k, v, valid = _key_tile(K, V, b, h, partial_tile(i, lo, full_lo, full_hi, BLOCK_N), hi,
                                 lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                 stride_vh, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
         acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE, PARTIAL,
-                      MASK_DS=True, SMALL_SCALE=SMALL_SCALE)
+                      MASK_DS=True, SMALL_SCALE=SMALL_SCALE, gate=gate)
+    return acc
+
+
+@triton.jit
+def _branch_dq(q, do, acc, K, V, KD, VD, GATE, LSE, DELTA, T, H, tok_pos, tok_cmp_start, b,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_lb,
+               stride_lt, scale_log2, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr,
+               CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr,
+               TMA: tl.constexpr, PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
+    """acc [rows, DK] += one branch's gated Σ_s dS k_s for this program's query rows (its
+    partial key tiles, then its full ones)."""
+    _, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+    rows = b * stride_lb + t64 * stride_lt + hq
+    gate = tl.load(GATE + rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+    acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, num_partial,
+                      lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                      stride_vh, scale_log2, gate, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, IEEE,
+                      PARTIAL, SMALL_SCALE)
+    for start in range(full_lo, full_hi, BLOCK_N):
+        k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt, stride_kh,
+                              stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK, BLOCK_DV,
+                              BLOCK_N, TMA)
+        acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False,
+                      SMALL_SCALE=SMALL_SCALE, gate=gate)
     return acc
 
 
@@ -202,41 +236,53 @@ def _branch_fwd_kernel(
 
 
 @kernel
-def _branch_bwd_dq_kernel(
-    Q, K, V, KD, VD, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start, KV_FINITE,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    T, NK, H, scale_log2, scale,
+def _branches_dq_kernel(
+    Q, KC, VC, KCD, VCD, KW, VW, KWD, VWD, DO, GATE_CMP, GATE_WIN, LSE_CMP, LSE_WIN,
+    DELTA_CMP, DELTA_WIN, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start, CMP_FINITE, WIN_FINITE,
+    stride_qb, stride_qt, stride_qh, stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch, stride_kwb, stride_kwt, stride_kwh,
+    stride_vwb, stride_vwt, stride_vwh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    T, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
-    SMALL_SCALE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, CMP_KEYS: tl.constexpr,
+    WIN_KEYS: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+    CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr, CMP_TMA: tl.constexpr, WIN_TMA: tl.constexpr,
+    FINITE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
-    """DQ_OUT = scale · Σ_s p (dp − delta) k_s, plus DQ_IN when ACCUMULATE (both laid out as Q:
-    the float32 sum of the branches' dq, or the last branch's total in DQ_OUT's dtype). Runs
-    the programs whose KV_FINITE flag equals FINITE, as the forward."""
-    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
-        b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
-            CMP_STRIDE)
-        q, do, gate, lse, delta = query_rows_tile(
-            Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
+    """DQ_OUT = DQ_IN (the selected branch's float32 dq) + the compressed and the window
+    branch's scale · Σ_s gate · p (dp − delta) k_s, in DQ_OUT's dtype (all laid out as Q): q
+    and do read once, one float32 accumulator, each branch's gate multiplying its dS. Runs the
+    programs where both branches' keys and values are finite (CMP_FINITE and WIN_FINITE, [B,
+    H] int8) if FINITE, the others if not (module docstring): then both branches' partial
+    tiles keep the bookkeeping of non-finite values."""
+    finite = (tl.load(CMP_FINITE + tl.program_id(1)) != 0) & (
+        tl.load(WIN_FINITE + tl.program_id(1)) != 0)
+    if finite == FINITE:
+        P: tl.constexpr = BLOCK_R // G
+        b = (tl.program_id(1) // H).to(tl.int64)
+        h = tl.program_id(1) % H
+        r = tl.arange(0, BLOCK_R)
+        t = tl.program_id(0) * P + r // G
+        row_ok = (r < P * G) & (t < T)
+        t64 = t.to(tl.int64)
+        hq = h * G + r % G
+        q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
+                      BLOCK_DK)
+        do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
+                       BLOCK_DV)
         acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-        acc = _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi,
-                          num_partial, lo_r, hi_r, stride_kb, stride_kt, stride_kh, stride_vb,
-                          stride_vt, stride_vh, scale_log2, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                          IEEE, not FINITE, SMALL_SCALE)
-        for start in range(full_lo, full_hi, BLOCK_N):
-            k, v = key_value_tile(K, V, KD, VD, b, h, start, hi, stride_kb, stride_kt,
-                                  stride_kh, stride_vb, stride_vt, stride_vh, DK, DV, BLOCK_DK,
-                                  BLOCK_DV, BLOCK_N, TMA)
-            acc = dq_tile(q, k, v, do, lse, delta, None, acc, scale_log2, IEEE, False, False,
-                          SMALL_SCALE=SMALL_SCALE)
+        acc = _branch_dq(q, do, acc, KC, VC, KCD, VCD, GATE_CMP, LSE_CMP, DELTA_CMP, T, H,
+                         tok_pos, tok_cmp_start, b, stride_kcb, stride_kct, stride_kch,
+                         stride_vcb, stride_vct, stride_vch, stride_lb, stride_lt, scale_log2,
+                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, CMP_KEYS, 0, WINDOW,
+                         CMP_BLOCK, CMP_STRIDE, IEEE, CMP_TMA, not FINITE, SMALL_SCALE)
+        acc = _branch_dq(q, do, acc, KW, VW, KWD, VWD, GATE_WIN, LSE_WIN, DELTA_WIN, T, H,
+                         tok_pos, tok_cmp_start, b, stride_kwb, stride_kwt, stride_kwh,
+                         stride_vwb, stride_vwt, stride_vwh, stride_lb, stride_lt, scale_log2,
+                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, WIN_KEYS, 1, WINDOW,
+                         CMP_BLOCK, CMP_STRIDE, IEEE, WIN_TMA, not FINITE, SMALL_SCALE)
         rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
-        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
-                        BLOCK_DK, ACCUMULATE)
+        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, True)
 
 
 @triton.jit
@@ -409,31 +455,51 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     return o, lse
 
 
-def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, params, scale,
-                    kv_finite, query_finite, *, accumulate=True, dq_out=None):
-    """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate`` (else written alone); returns (dk, dv) in the dtypes of k and v.
-    ``kv_finite``, ``query_finite``: the [B, H] flags of k and v and of the query side
-    (finite.py)."""
+class DqBranch(NamedTuple):
+    """What ``branches_dq`` reads of the compressed or the window branch: its keys and values
+    k [B, NK, H, Dk], v [B, NK, H, Dv], the rows' gates, log-sum-exps and deltas (each [B, T,
+    HQ] float32, laid out alike) and the [B, H] flags of k and v (finite.py)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    gate: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    kv_finite: torch.Tensor
+
+
+def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params, scale):
+    """dq (q's layout and dtype) = dq_sum (float32: the selected branch's dq) + the
+    compressed and the window branch's dq for output gradient do [B, T, HQ, Dv] (each times
+    its gate), in one kernel (launched per finiteness flag)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, cmp.k, cmp.v)
+    width = max(Dk, Dv)
+    R, launch = launch_shape("cw_dq", G, width, q.element_size())
+    cmp_keys = launch_keys("cw_dq", width, q.element_size())
+    win_keys = launch_keys("cw_dq", width, q.element_size(), field="win_keys")
+    # [B, NK, H, D] descriptors of a tile of keys: the full key tiles load through TMA.
+    kcd, vcd, cmp_tma = descriptor_pair(cmp.k, cmp.v, [1, cmp_keys, 1])
+    kwd, vwd, win_tma = descriptor_pair(win.k, win.v, [1, win_keys, 1])
+    launch_per_flag(
+        _branches_dq_kernel, (cdiv(T, R // G), B * H),
+        q, cmp.k, cmp.v, kcd, vcd, win.k, win.v, kwd, vwd, do, cmp.gate, win.gate, cmp.lse,
+        win.lse, cmp.delta, win.delta, dq_sum, dq, tables.tok_pos, tables.tok_cmp_start,
+        cmp.kv_finite, win.kv_finite, *strides(q), *strides(cmp.k), *strides(cmp.v),
+        *strides(win.k), *strides(win.v), *strides(do), *cmp.lse.stride()[:2], T, H,
+        scale * LOG2E, scale,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, CMP_KEYS=cmp_keys,
+        WIN_KEYS=win_keys, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, CMP_TMA=cmp_tma,
+        WIN_TMA=win_tma, SMALL_SCALE=small_scale(scale), **launch,
+    )
+
+
+def branch_dkdv(q, k, v, grad: BranchGrad, lse, delta, tables, mode, params, scale,
+                query_finite):
+    """This branch's (dk, dv) in the dtypes of k and v. ``query_finite``: the [B, H] flags of
+    the query side (finite.py)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     NK = k.shape[1]
-    do = grad.do
-    meta = dict(G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv),
-                MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-                CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32,
-                SMALL_SCALE=small_scale(scale))
-    tensor_strides = (*strides(q), *strides(k), *strides(v), *strides(do), *lse.stride()[:2])
-    family = f"{MODE_NAMES[mode]}_dq"
-    R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
-    N = launch_keys(family, max(Dk, Dv), q.element_size())
-    kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
-    launch_per_flag(
-        _branch_bwd_dq_kernel, (cdiv(T, R // G), B * H),
-        q, k, v, kd, vd, do, grad.gate, lse, delta, dq, dq if dq_out is None else dq_out,
-        tables.tok_pos, tables.tok_cmp_start, kv_finite, *tensor_strides, T, NK, H,
-        scale * LOG2E, scale,
-        BLOCK_R=R, BLOCK_N=N, TMA=tma, ACCUMULATE=accumulate, **meta, **launch,
-    )
     # A compressed key is seen by every later query: split the queries into segments so the
     # first key tiles do not run alone; window keys are seen by at most w queries, and are
     # split only when there are too few key tiles to fill the GPU (short T, small B * H).
@@ -451,11 +517,14 @@ def branch_backward(q, k, v, grad: BranchGrad, lse, delta, dq, tables, mode, par
         R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
         launch_per_flag(
             _branch_bwd_dkdv_kernel, (cdiv(NK, N), B * H, segments),
-            q, k, v, do, grad.gate, lse, delta, dk, dv, tables.tok_pos,
-            tables.tok_cmp_start, t_lo, t_hi, query_finite, *tensor_strides, *dk.stride()[1:4],
+            q, k, v, grad.do, grad.gate, lse, delta, dk, dv, tables.tok_pos,
+            tables.tok_cmp_start, t_lo, t_hi, query_finite, *strides(q), *strides(k),
+            *strides(v), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
             *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, NK, H, segment, scale * LOG2E,
-            scale, BLOCK_R=R, BLOCK_N=N,
-            TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()), **meta,
-            **launch,
+            scale, G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R,
+            BLOCK_N=N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+            CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32,
+            TRANSPOSED=launch_transposed(family, G, max(Dk, Dv), q.element_size()),
+            SMALL_SCALE=small_scale(scale), **launch,
         )
     return sum_segments(dk, dv, k, v)

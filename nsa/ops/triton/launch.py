@@ -21,8 +21,11 @@ TUNING = {
     # faster from 16k to 64k at G = 1-16, D = 128; every other 128 or 32 was slower).
     "cmp_fwd": dict(rows=128, num_warps=4, num_stages=2, keys=64),
     "win_fwd": dict(rows=128, num_warps=4, num_stages=2, keys=64),
-    "cmp_dq": dict(rows=128, num_warps=8, num_stages=2, keys=128),
-    "win_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64),
+    # cw_dq: the compressed and window dq in one kernel; keys: the compressed branch's per
+    # step, win_keys: the window's. v25's 128 compressed keys (3-14 % faster from 16k to 64k
+    # at D = 128 in the compressed dq alone) spill in the fused kernel (offline sm_90: 96 B
+    # of stack; 64: 255 registers, none; bench/NOTES.md, thirty-eighth session).
+    "cw_dq": dict(rows=128, num_warps=8, num_stages=2, keys=64, win_keys=64),
     # transposed_min_group: groups of at least this many heads, a power of two, compute p^T
     # and dS^T as [keys, rows] (common.dkdv_tile). v27, the kernels no longer serialized by
     # ptxas (compressed_window.py): the window dK/dV at 64 rows / 4 warps 10-14 % faster than
@@ -64,11 +67,12 @@ TUNING = {
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
-# cmp_dq's 64 keys v25: 128 was 4-89 % slower at D = 64). The masked dq takes TUNING's 128 rows
-# at D = 64 too: 0.228-0.229 ms against 0.247-0.248 at v20's 64, three H200 runs (v34).
+# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq takes TUNING's 128 rows at D = 64
+# too: 0.228-0.229 ms against 0.247-0.248 at v20's 64, three H200 runs (v34). cw_dq's 32
+# compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
+# programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session).
 NARROW_TUNING = {
-    "cmp_dq": dict(rows=64, num_warps=4, num_stages=3, keys=64),
-    "win_dq": dict(rows=64, num_warps=4, num_stages=3),
+    "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
@@ -178,10 +182,10 @@ def wide_keys(head_dim: int, element_size: int = 2) -> int | None:
     return KEYS_WIDE // (FLOAT32_SHRINK if element_size == 4 else 1)
 
 
-def launch_keys(kind: str, head_dim: int, element_size: int = 2) -> int:
-    """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys``, at
-    most ``wide_keys``."""
-    keys = _tuning(kind, tile_width(head_dim, element_size))["keys"]
+def launch_keys(kind: str, head_dim: int, element_size: int = 2, field: str = "keys") -> int:
+    """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys`` (or
+    another ``field``: cw_dq's ``win_keys``), at most ``wide_keys``."""
+    keys = _tuning(kind, tile_width(head_dim, element_size))[field]
     limit = wide_keys(head_dim, element_size)
     return keys if limit is None else min(keys, limit)
 
