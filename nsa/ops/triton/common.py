@@ -206,8 +206,8 @@ def probs_and_dscores(q, k, v, do, lse, delta, valid, scale_log2, IEEE: tl.const
     or p^T and dS^T [keys, rows] when TRANSPOSED (from k q^T and v do^T; ``valid`` in the same
     layout); in a PARTIAL tile, or with MASK_DS, dS is 0 where not ``valid``, whatever v, do
     and delta hold there. Without MASKED every pair counts (a full tile; padding rows have
-    lse = +inf, so p = 0 there). With a ``gate`` per row (finite), p and so dS are multiplied
-    by it."""
+    lse = +inf, so p = 0 there). With a ``gate`` per row, p and so dS are multiplied by it (a
+    non-finite gate makes its row's p non-finite)."""
     if TRANSPOSED:
         qk = dot(k, tl.trans(q), IEEE)
         dp = dot(v, tl.trans(do), IEEE)
