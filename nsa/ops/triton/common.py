@@ -53,6 +53,21 @@ def longest_first():
 
 
 @triton.jit
+def query_tile_rows(tile, pid_bh, T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows of query tile ``tile`` of (batch row, KV head) ``pid_bh``: P = BLOCK_R // G
+    positions from t_first x the G query heads of KV head h -> (b, h, query heads hq, row
+    mask, t (int64), t_first, t_last)."""
+    P: tl.constexpr = BLOCK_R // G
+    h = pid_bh % H
+    r = tl.arange(0, BLOCK_R)
+    t_first = tile * P
+    t = t_first + r // G
+    row_ok = (r < P * G) & (t < T)
+    t_last = tl.minimum(t_first + P, T) - 1
+    return (pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, t.to(tl.int64), t_first, t_last
+
+
+@triton.jit
 def score_scale(scale_log2):
     """What q·k is multiplied by: min(s, 1) (see the module docstring)."""
     return tl.minimum(scale_log2, 1.0)

@@ -47,6 +47,7 @@ from nsa.ops.triton.common import (
     load_tile,
     partial_tile,
     query_rows_tile,
+    query_tile_rows,
     split_tiles,
     store_rows,
     store_tile,
@@ -258,14 +259,8 @@ def _branches_dq_kernel(
     finite = (tl.load(CMP_FINITE + tl.program_id(1)) != 0) & (
         tl.load(WIN_FINITE + tl.program_id(1)) != 0)
     if finite == FINITE:
-        P: tl.constexpr = BLOCK_R // G
-        b = (tl.program_id(1) // H).to(tl.int64)
-        h = tl.program_id(1) % H
-        r = tl.arange(0, BLOCK_R)
-        t = tl.program_id(0) * P + r // G
-        row_ok = (r < P * G) & (t < T)
-        t64 = t.to(tl.int64)
-        hq = h * G + r % G
+        b, _, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
+                                                      G, BLOCK_R)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,

@@ -58,6 +58,7 @@ from nsa.ops.triton.common import (
     longest_first,
     partial_tile,
     query_rows_tile,
+    query_tile_rows,
     split_tiles,
     store_tile,
 )
@@ -100,21 +101,6 @@ def _bit_or(a, b):
 @triton.jit
 def _bit_and(a, b):
     return a & b
-
-
-@triton.jit
-def _tile_rows(tile, pid_bh, T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The rows of query tile ``tile`` of (batch row, KV head) ``pid_bh``: P = BLOCK_R // G
-    positions from t_first x the G query heads of KV head h -> (b, h, query heads hq, row
-    mask, t (int64), t_first, t_last)."""
-    P: tl.constexpr = BLOCK_R // G
-    h = pid_bh % H
-    r = tl.arange(0, BLOCK_R)
-    t_first = tile * P
-    t = t_first + r // G
-    row_ok = (r < P * G) & (t < T)
-    t_last = tl.minimum(t_first + P, T) - 1
-    return (pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, t.to(tl.int64), t_first, t_last
 
 
 @triton.jit
@@ -176,7 +162,7 @@ def _masked_fwd_kernel(
     FINITE (module docstring)."""
     tile, pid_bh = longest_first()
     if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
-        b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
+        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
@@ -236,7 +222,7 @@ def _masked_dq_kernel(
     the programs whose KV_FINITE flag equals FINITE (module docstring)."""
     tile, pid_bh = longest_first()
     if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
-        b, h, hq, row_ok, t64, t_first, t_last = _tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
+        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
         q, do, gate, lse, delta = query_rows_tile(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
