@@ -2,13 +2,17 @@
 
     python bench/op_host.py                        # m7c-125m layer shape, B = 8, T = 2048
     python bench/op_host.py --batch 1 --seq 16384
+    python bench/op_host.py --kernels --json op.json   # also the GPU time of each kernel
+
 
 The op is host-bound where the Python that issues its kernels takes longer than the GPU runs
 them (issue 11 asks host time below GPU time at the m7c shape, B = 8). The inputs are shaped
 and laid out as the layer passes them (``layer_inputs``), so their backward costs what the
 layer's does. Host time: ``--calls``
 calls issued without a synchronize, median of ``--repeats``; GPU time: the kernels' time from
-torch.profiler (CUDA only). On the CPU (PyTorch backend) the two are one.
+torch.profiler (CUDA only). On the CPU (PyTorch backend) the two are one. ``--kernels`` adds
+the time of each kernel of one forward+backward (``kernel_ms``; on the CPU each operator's):
+run it in two trees to compare versions kernel by kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from attention import PAPER  # bench/attention.py: the paper's block parameters
@@ -23,6 +28,7 @@ from train_step import synchronize
 
 import nsa
 from nsa.layers.projection import Heads, HeadsLayout, split_heads
+from nsa.train.checkpoint import atomic_write_json
 
 
 def layer_inputs(B, T, HQ, H, D, dtype, device):
@@ -48,7 +54,8 @@ def layer_inputs(B, T, HQ, H, D, dtype, device):
     return inputs, (q, k, projection, k_cmp, v_cmp, gates, k_win)
 
 
-def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> dict:
+def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device,
+            kernels: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inputs, leaves = layer_inputs(B, T, HQ, H, D, dtype, device)
     grad = torch.randn_like(leaves[0])
@@ -78,21 +85,36 @@ def measure(B, T, HQ, H, D, calls: int, repeats: int, device: torch.device) -> d
         result[f"{name}_host_ms"] = statistics.median(times)
     if device.type == "cuda":
         result["fwd_bwd_gpu_ms"] = gpu_ms(forward_backward, calls)
+    if kernels:
+        result["fwd_bwd_kernels_ms"] = kernel_ms(forward_backward, calls, device)
     return result
 
 
-def gpu_ms(fn, calls: int, kernel: str = "") -> float:
-    """Milliseconds of GPU time per call of fn: the device time of the kernels it launches
-    (torch.profiler), free of the host time that a call's wall time is wherever the host is
-    slower than the GPU (small shapes); only the kernels whose names contain ``kernel`` when
-    given. One call first, unprofiled (compiles, allocates)."""
+def kernel_ms(fn, calls: int, device: torch.device) -> dict[str, float]:
+    """Milliseconds per call of fn by kernel name, largest first: the self device time of
+    each CUDA kernel it launches (torch.profiler), free of the host time that a call's wall
+    time is wherever the host is slower than the GPU (small shapes); on the CPU each
+    operator's self CPU time. One call first, unprofiled (compiles, allocates)."""
+    cuda = device.type == "cuda"
     fn()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if kernel in e.key) / calls / 1e3
+        synchronize(device)
+    times = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            times[event.key] = us / calls / 1e3
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
+def gpu_ms(fn, calls: int, kernel: str = "") -> float:
+    """Milliseconds of GPU time per call of fn (``kernel_ms``), only the kernels whose names
+    contain ``kernel`` when given."""
+    times = kernel_ms(fn, calls, torch.device("cuda"))
+    return sum(ms for name, ms in times.items() if kernel in name)
 
 
 def main(argv=None):
@@ -104,16 +126,29 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the time of each kernel of one forward+backward")
+    parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args(argv)
     HQ, H = (int(x) for x in args.heads.split(","))
     device = torch.device(args.device)
-    r = measure(args.batch, args.seq, HQ, H, args.dim, args.calls, args.repeats, device)
+    r = measure(args.batch, args.seq, HQ, H, args.dim, args.calls, args.repeats, device,
+                args.kernels)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {name}, B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}")
     print("| fwd host ms | fwd+bwd host ms | fwd+bwd GPU ms |")
     print("|---|---|---|")
     gpu = f"{r['fwd_bwd_gpu_ms']:.2f}" if "fwd_bwd_gpu_ms" in r else "(CPU)"
     print(f"| {r['fwd_host_ms']:.2f} | {r['fwd_bwd_host_ms']:.2f} | {gpu} |")
+    if args.kernels:
+        print("\n| kernel (one forward+backward) | ms |\n|---|---|")
+        for kernel, ms in r["fwd_bwd_kernels_ms"].items():
+            print(f"| {kernel[:80]} | {ms:.4f} |")
+    if args.json:
+        shape = dict(batch=args.batch, seq=args.seq, heads=[HQ, H], dim=args.dim)
+        atomic_write_json(Path(args.json), dict(device=name, torch=torch.__version__,
+                                                shape=shape, **r))
+    return r
 
 
 if __name__ == "__main__":

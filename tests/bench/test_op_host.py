@@ -2,6 +2,7 @@
 out as the layer passes them (values: strided views of one projection, split at each call;
 queries and keys: contiguous, as RoPE writes them)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,6 +19,24 @@ def test_op_host_prints_host_times(capsys):
     row = capsys.readouterr().out.strip().splitlines()[-1].split("|")[1:-1]
     fwd, fwd_bwd, gpu = (cell.strip() for cell in row)
     assert 0 < float(fwd) and 0 < float(fwd_bwd) and gpu == "(CPU)"
+
+
+def test_op_host_times_each_kernel_and_writes_json(tmp_path, capsys):
+    """--kernels: the time of each kernel (on the CPU, each operator) of one forward+backward,
+    largest first, printed and written with the host times by --json."""
+    path = tmp_path / "op.json"
+    result = op_host.main(["--batch", "1", "--seq", "40", "--heads", "4,2", "--dim", "8",
+                           "--calls", "2", "--repeats", "1", "--device", "cpu", "--kernels",
+                           "--json", str(path)])
+    written = json.loads(path.read_text())
+    kernels = written["fwd_bwd_kernels_ms"]
+    assert kernels == result["fwd_bwd_kernels_ms"] and len(kernels) > 1
+    times = list(kernels.values())
+    assert all(ms > 0 for ms in times) and times == sorted(times, reverse=True)
+    assert written["shape"] == dict(batch=1, seq=40, heads=[4, 2], dim=8)
+    assert written["fwd_host_ms"] > 0 and written["fwd_bwd_host_ms"] > 0
+    out = capsys.readouterr().out
+    assert "| kernel (one forward+backward) | ms |" in out and next(iter(kernels))[:80] in out
 
 
 def test_layer_inputs_are_laid_out_as_the_layer_passes_them():
