@@ -12,7 +12,10 @@ not by the GPU.
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
 
 ``--profile N`` then runs one more (eager) step under torch.profiler and prints its N GPU
-kernels of largest time: where a step's time goes.
+kernels of largest time: where a step's time goes. ``--count-ops`` adds the host work of one
+more eager forward+backward as counts, free of the host's timing noise: the aten operators it
+dispatches (views included) and the Triton kernels it launches; two depths' rows give the work
+a layer adds.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa.config_tree import replace_fields
 from nsa.models import LanguageModel, ModelConfig, model_preset
@@ -44,6 +48,53 @@ def count_saved_bytes(total: list[int]):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+class _HostWork(TorchDispatchMode):
+    """Counts the aten operators dispatched while it is active (views included), and the
+    Triton launches that ``launch`` wraps, whose own operators (the interpreter's copies on
+    the CPU) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.launches = 0
+        self.in_launch = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not self.in_launch
+        return func(*args, **(kwargs or {}))
+
+    def launch(self, method):
+        def counted(*args, **kwargs):
+            self.launches += 1
+            self.in_launch = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.in_launch = False
+        return counted
+
+
+@contextmanager
+def count_host_work(counts: dict):
+    """counts["ops"], counts["launches"]: the aten operators dispatched and the Triton kernels
+    launched (through nsa's FastKernel on a GPU, the interpreter on the CPU) while active."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from nsa.ops.triton.jit import FastKernel
+
+    launchers = {(FastKernel, "launch"): FastKernel.launch,
+                 (InterpretedFunction, "run"): InterpretedFunction.run}
+    work = _HostWork()
+    for (owner, name), method in launchers.items():
+        setattr(owner, name, work.launch(method))
+    try:
+        with work:
+            yield
+    finally:
+        for (owner, name), method in launchers.items():
+            setattr(owner, name, method)
+    counts["ops"], counts["launches"] = work.ops, work.launches
 
 
 def synchronize(device: torch.device) -> None:
@@ -72,7 +123,8 @@ def print_profile(run_step, rows: int) -> None:
 
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
                autocast_dtype: torch.dtype | None, compile_blocks: bool = False,
-               cuda_graph: bool = False, profile_rows: int = 0) -> dict:
+               cuda_graph: bool = False, profile_rows: int = 0,
+               count_ops: bool = False) -> dict:
     torch.manual_seed(0)
     model = LanguageModel(config).to(device)
     if compile_blocks:  # as the trainer's compile=true: torch.compile per block
@@ -122,9 +174,14 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
             synchronize(device)
 
         print_profile(eager_step, profile_rows)
+    counts = {}
+    if count_ops:
+        with count_host_work(counts):
+            forward_backward([{"tokens": inputs, "targets": targets}])
+        optimizer.zero_grad(set_to_none=True)
     return {"step_ms": step * 1e3, "host_ms": statistics.median(host_times) * 1e3,
             "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
-            "params_m": model.num_parameters() / 1e6}
+            "params_m": model.num_parameters() / 1e6, **counts}
 
 
 def main(argv=None) -> None:
@@ -147,6 +204,9 @@ def main(argv=None) -> None:
                              "the trainer's cuda_graph=true (CUDA only)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the N GPU kernels of largest time of one more step")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="add the aten operators and Triton launches of one more eager "
+                             "forward+backward (needs Triton)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -163,16 +223,19 @@ def main(argv=None) -> None:
           f"backend {args.backend}, compiled blocks {args.compile}, "
           f"CUDA graph {args.cuda_graph}, "
           f"median of {args.steps} steps")
-    print(f"| attention | layers | params (M) | step (ms) | host (ms) | tokens/s | {memory_kind} |")
-    print("|---|---|---|---|---|---|---|")
+    counted = " aten ops | Triton launches |" if args.count_ops else ""
+    print(f"| attention | layers | params (M) | step (ms) | host (ms) | tokens/s | {memory_kind} |"
+          + counted)
+    print("|---|---|---|---|---|---|---|" + "---|---|" * args.count_ops)
     for attention in args.attention.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
             r = bench_step(config, args.batch, args.steps, args.warmup, device, autocast_dtype,
-                           args.compile, args.cuda_graph, args.profile)
+                           args.compile, args.cuda_graph, args.profile, args.count_ops)
+            counts = f" {r['ops']} | {r['launches']} |" if args.count_ops else ""
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
-                  f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |",
-                  flush=True)
+                  f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |"
+                  + counts, flush=True)
 
 
 if __name__ == "__main__":

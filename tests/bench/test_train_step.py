@@ -1,8 +1,13 @@
 """bench/train_step.py on the CPU: one row per attention kind and depth, with the step's host
-time no larger than its wall time."""
+time no larger than its wall time; --count-ops' operators and launches per layer."""
 
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.ops.triton_support import TRITON_INTERPRET
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -19,3 +24,37 @@ def test_train_step_table_has_host_time(capsys):
     for row in rows:
         step_ms, host_ms = float(row[3]), float(row[4])
         assert 0 < host_ms <= step_ms
+
+
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="the Triton backend on the CPU: the interpreter")
+def test_count_ops_gives_each_layers_operators_and_launches(capsys):
+    """--count-ops: the aten operators and Triton launches of one more forward+backward. With
+    the Triton backend (the interpreter on the CPU) every layer launches the same kernels, an
+    NSA layer more than a dense one (whose RoPE runs in PyTorch on the CPU: none), and a layer
+    adds operators."""
+    train_step.main(["--layers", "1,2", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                     "--batch", "1", "--seq", "48", "--backend", "triton", "--count-ops"])
+    out = capsys.readouterr().out
+    assert "| aten ops | Triton launches |" in out
+    rows = {(r[0].strip(), int(r[1])): (int(r[7]), int(r[8]))
+            for r in (line.split("|")[1:-1] for line in out.splitlines()
+                      if line.startswith(("| nsa", "| dense")))}
+    for kind in ("nsa", "dense"):
+        (ops_1, launches_1), (ops_2, launches_2) = rows[kind, 1], rows[kind, 2]
+        assert launches_2 == 2 * launches_1 and ops_2 > ops_1 > 0
+    assert rows["nsa", 1][1] > rows["dense", 1][1]
+
+
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="a CPU launch runs in the interpreter")
+def test_count_host_work_leaves_out_what_a_launch_does_inside():
+    """One RoPE launch in the interpreter: the wrapper's one allocation and the launch are
+    counted, not the interpreter's copies of the launch's tensors (dozens of operators)."""
+    from nsa.layers.rope import rope_angles, rope_frequencies
+    from nsa.ops.triton.rope import rope
+
+    x = torch.randn(1, 5, 2, 8)
+    cos, sin = rope_angles(torch.arange(5.0)[None], rope_frequencies(8, 10000.0, "cpu"))
+    counts = {}
+    with train_step.count_host_work(counts):
+        rope([x], cos, sin, False)
+    assert counts == {"ops": 1, "launches": 1}
