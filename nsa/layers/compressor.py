@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nsa.ops.triton_support import TRITON_AVAILABLE
+
 COMPRESSORS = ("mlp", "mean")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton form's dtypes
 
 
 def compression_blocks(x: torch.Tensor, block: int, stride: int) -> torch.Tensor:
@@ -39,6 +42,10 @@ class Compressor(nn.Module):
     (:meth:`_strided_product`). That reads each token once where the blocks would copy it c
     times, for c - 1 extra chunks of products per sequence and head. Blocks from given starts
     (packed documents) are gathered.
+
+    On CUDA the MLP of blocks every ``stride`` tokens runs as Triton kernels instead, one
+    launch forward and three backward (nsa/ops/triton/compressor.py); the PyTorch form above
+    is the CPU's, the packed documents' and the reference.
     """
 
     def __init__(self, head_dim: int, block: int, stride: int, kind: str = "mlp",
@@ -66,6 +73,10 @@ class Compressor(nn.Module):
         if self.kind == "mean":
             return blocks.mean(dim=-2)
         first_layer, activation, second_layer = self.mlp
+        if first is None and blocks.shape[1] > 0 and x.is_cuda and TRITON_AVAILABLE:
+            compressed = self._compress_triton(x)
+            if compressed is not None:
+                return compressed
         # W1·flatten(P) + b1 [hidden]: the position embedding's share of every block's product.
         bias = F.linear(self.position.flatten(), first_layer.weight, first_layer.bias)
         if first is None and blocks.shape[1] > 0:
@@ -73,6 +84,23 @@ class Compressor(nn.Module):
         else:
             product = F.linear(blocks.flatten(-2), first_layer.weight)
         return second_layer(activation(product + bias))
+
+    def _compress_triton(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The MLP of the blocks every ``stride`` tokens of x [B, T >= block, H, D] by the
+        Triton kernels (nsa/ops/triton/compressor.py), in the compute dtype (autocast's, or
+        the weights'); None where the kernels do not take its dtypes or widths."""
+        from nsa.ops.triton.compressor import compress_triton, fits
+
+        first_layer, _, second_layer = self.mlp
+        compute_dtype = (torch.get_autocast_dtype(x.device.type)
+                         if torch.is_autocast_enabled(x.device.type)
+                         else first_layer.weight.dtype)
+        if (compute_dtype not in TRITON_DTYPES or x.dtype not in TRITON_DTYPES
+                or not fits(x.shape[-1], first_layer.out_features)):
+            return None
+        return compress_triton(x, self.position, first_layer.weight, first_layer.bias,
+                               second_layer.weight, second_layer.bias, self.block, self.stride,
+                               compute_dtype)
 
     def _strided_product(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """W1·flatten(x's block i) for the num_blocks >= 1 blocks every ``stride`` tokens of x

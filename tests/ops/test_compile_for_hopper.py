@@ -54,6 +54,8 @@ EXPECTED = {
     "decode._compressed_kernel", "decode._select_kernel", "decode._selected_kernel",
     "cache_append._append_kernel", "cache_compress._first_product_kernel",
     "cache_compress._finish_kernel", "rope._rope_kernel",
+    "compressor._compress_fwd_kernel", "compressor._hidden_grad_kernel",
+    "compressor._input_grad_kernel", "compressor._weight_grads_kernel",
 }
 
 
@@ -205,6 +207,20 @@ def compressed_update(dtype, compressor, D=16, block=4):
                              out, dtype, rope)
 
 
+def compressor_forward_backward(dtype, D=16, hidden=32, block=8, stride=4):
+    """The training compressor (nsa/ops/triton/compressor.py) forward and backward; computed
+    in ``dtype`` from float32 weights, as under autocast."""
+    from nsa.layers.compressor import Compressor
+    from nsa.ops.triton.compressor import compress_triton
+
+    module = Compressor(D, block, stride, "mlp", hidden)
+    first, _, second = module.mlp
+    x = torch.randn(2, 40, 2, D).to(dtype).requires_grad_()
+    out = compress_triton(x, module.position, first.weight, first.bias, second.weight,
+                          second.bias, block, stride, dtype)
+    out.float().sum().backward()
+
+
 def in_chunks(work):
     """``work`` with the per-block selected kernels run over chunks of positions (their
     partials' budget made small), so that dK/dV are added up over the chunks in the kernels."""
@@ -218,6 +234,9 @@ def everything():
     for compressor in ("mlp", "mean"):
         compressed_update(torch.bfloat16, compressor)
     compressed_update(torch.bfloat16, "mlp", D=64, block=32)  # m7c-125m's: 32 slices
+    compressor_forward_backward(torch.float32)
+    compressor_forward_backward(torch.bfloat16, D=64, hidden=128, block=32, stride=16)  # m7c
+    compressor_forward_backward(torch.bfloat16, D=128, hidden=256, block=32, stride=16)  # 8 warps
     for dtype in (torch.float32, torch.bfloat16):
         attention_forward_backward(dtype, 40, window=9)
         decode_step(dtype, ring=True)

@@ -1,0 +1,100 @@
+"""GPU time of the MLP compressor (nsa.layers.compressor.Compressor) forward and
+forward+backward: the Triton kernels (nsa/ops/triton/compressor.py) against the PyTorch form,
+measured in the same run, each kernel of both listed.
+
+    python bench/compressor.py                          # m7c-125m's: 8 x 2048, 2 heads, D 64
+    python bench/compressor.py --rows 16,32,64 --json out.json
+
+The input is a strided view of a projection as the layer passes it (three K/V sets of H
+heads, keys and values); weights in float32 under bf16 autocast, as in training. ``--rows``
+also times each Triton kernel with each of the given rows per program (the others as shipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from op_host import kernel_ms  # bench/op_host.py
+
+from nsa.layers.compressor import Compressor
+from nsa.ops.triton import compressor as triton_compressor
+from nsa.train.checkpoint import atomic_write_json
+
+CALLS = 30
+KERNELS = dict(forward="_compress_fwd_kernel", hidden_grad="_hidden_grad_kernel",
+               input_grad="_input_grad_kernel", weight_grads="_weight_grads_kernel")
+
+
+def workload(B, T, H, D, block, stride, hidden):
+    torch.manual_seed(0)
+    module = Compressor(D, block, stride, "mlp", hidden).cuda()
+    projection = torch.randn(B, T, 3 * H * 2 * D, device="cuda", dtype=torch.bfloat16)
+    x = projection.view(B, T, 3 * H, 2 * D)[:, :, :H, :D].requires_grad_()  # the keys' view
+    leaves = [x, *module.parameters()]
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module(x)
+
+    grad = torch.randn_like(forward())
+
+    def forward_backward():
+        torch.autograd.grad(forward(), leaves, grad)
+
+    return module, forward, forward_backward
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=2, help="KV heads")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--stride", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=None, help="default 2 x dim")
+    parser.add_argument("--rows", default="", help="rows per program to sweep, e.g. 16,32,64")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (the Triton form runs on CUDA only)")
+    module, forward, forward_backward = workload(args.batch, args.seq, args.heads, args.dim,
+                                                 args.block, args.stride, args.hidden)
+    print(f"# {torch.cuda.get_device_name()}, B={args.batch}, T={args.seq}, H={args.heads}, "
+          f"D={args.dim}, l={args.block}, d={args.stride}, bf16 autocast; GPU ms per call")
+    results = {}
+    for form in ("triton", "pytorch"):
+        if form == "pytorch":  # the module's own fallback: the PyTorch form
+            module._compress_triton = lambda x: None
+        fwd, fwd_bwd = kernel_ms(forward, CALLS, torch.device("cuda")), \
+            kernel_ms(forward_backward, CALLS, torch.device("cuda"))
+        results[form] = dict(fwd_ms=sum(fwd.values()), fwd_bwd_ms=sum(fwd_bwd.values()),
+                             kernels=fwd_bwd)
+    del module._compress_triton
+    print("| form | fwd | fwd+bwd | kernels (fwd+bwd) |")
+    print("|---|---|---|---|")
+    for form, r in results.items():
+        print(f"| {form} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | {len(r['kernels'])} |")
+    for form, r in results.items():
+        print(f"\n{form}: " + ", ".join(f"{name[:48]} {ms * 1e3:.1f} µs"
+                                         for name, ms in r["kernels"].items()))
+    sweep = []
+    shipped = dict(triton_compressor.ROWS)
+    for kind, name in KERNELS.items():
+        for rows in (int(r) for r in args.rows.split(",") if r):
+            triton_compressor.ROWS[kind] = rows
+            ms = kernel_ms(forward_backward, CALLS, torch.device("cuda")).get(name, 0.0)
+            sweep.append(dict(kernel=kind, rows=rows, ms=ms, shipped=rows == shipped[kind]))
+            print(f"{kind:13s} rows {rows:4d}: {ms * 1e3:.1f} µs")
+        triton_compressor.ROWS[kind] = shipped[kind]
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    command="python bench/compressor.py " + " ".join(argv or sys.argv[1:]))
+        atomic_write_json(Path(args.json), dict(meta=meta, forms=results, sweep=sweep))
+
+
+if __name__ == "__main__":
+    main()

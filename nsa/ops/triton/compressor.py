@@ -1,0 +1,374 @@
+"""The MLP compressor of a training or prefill forward (``nsa.layers.compressor.Compressor``,
+a compressed token every d tokens from 0) in Triton, forward and backward, registered as the
+ops ``nsa::compress`` and ``nsa::compress_backward``.
+
+The PyTorch form cuts the tokens into chunks of d (a copy), multiplies them by W1, sums each
+block's c = l / d chunk products, adds the position embedding's share and b1, applies the GELU
+and the second layer: at m7c-125m's shape about 12 kernels forward and 25 backward per
+compressor, ~3 ms of a training step's GPU time for its 24 compressors, and ~60 host operators
+each (bench/NOTES.md, fortieth session). Here, with x [B, T, H, D] (any strides, the last 1),
+block i = tokens [i·d, i·d + l) plus the position embedding P [l, D], and the weights W1
+[hidden, l·D], W2 [D, hidden] in the compute dtype:
+
+- forward, one program per (ROWS compressed tokens, sequence, KV head): the first product as a
+  loop over the block's l tokens (step j: the rows' x[i·d + j] + P[j], [ROWS, D], times W1's
+  columns of token j, [D, hidden]), + b1: the pre-activation (float32, kept for the backward);
+  GELU; the second product, + b2.
+- backward:
+  1. ``_hidden_grad_kernel``, per tile of compressed-token rows: dh = (dy W2) · GELU'(pre).
+  2. ``_input_grad_kernel``, per (tile of d-token chunks m, residue r, sequence, KV head): token
+     t = m·d + r is token j = r + k·d of block m - k for k < c, so dx[t] = Σ_k dh[m - k] times
+     W1's columns of token j. Every token is written (0 where no block holds it).
+  3. ``_weight_grads_kernel``, per (block token j, split of the rows): W1's columns of token j
+     get Σ dh^T (x[i·d + j] + P[j]) over the split's (sequence, block, head) rows, and P[j]
+     (Σ dh) times those columns; the programs of j = 0 also sum the split's dy^T GELU(pre)
+     (W2's), dh (b1's) and dy (b2's). Each split writes its float32 partials to its row of one
+     buffer, whose rows one PyTorch sum adds up in order.
+
+No float atomics: the gradients are deterministic. Dtypes as the PyTorch form's under autocast:
+operands rounded to the compute dtype (the autocast dtype, or the weights'), products
+accumulated in float32, dh and the output rounded to it. (The PyTorch form also rounds each
+chunk product, their sum, the bias and the pre-activation: the two differ by those roundings.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa.ops.triton.common import dot
+from nsa.ops.triton.jit import kernel
+from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
+
+# Rows (compressed tokens, d-token chunks, or gradient rows) per program of each kernel,
+# measured at m7c-125m's shape (H200, `bench/compressor.py --rows 16,32,64`: forward 18.0 /
+# 21.0 / 21.2 µs, hidden gradient 2.8 / 4.0 / 6.0, input gradient 13.3 / 10.2 / 7.6, weight
+# gradients 57.1 / 40.0 / 36.3; bench/NOTES.md, fortieth session). Where the hidden width
+# exceeds 128 every kernel takes half as many (at least 16) with 8 warps: their tiles of rows
+# x hidden (and the weights') spill otherwise (offline sm_90).
+ROWS = dict(forward=16, hidden_grad=16, input_grad=64, weight_grads=64)
+MAX_DIM, MAX_HIDDEN = 128, 256  # widest tiles (padded to powers of two) the kernels take
+WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: l x splits)
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def _gelu(x):
+    """GELU(x) = x Φ(x) (the exact form, nn.GELU's default), float32."""
+    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+
+
+@triton.jit
+def _gelu_grad(x):
+    """d GELU / dx = Φ(x) + x φ(x), float32."""
+    return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
+@kernel
+def _compress_fwd_kernel(X, POSITION, W1, B1, W2, B2, OUT, PRE,
+                         stride_xb, stride_xt, stride_xh, NUM_CMP, H, HIDDEN,
+                         CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """OUT [B, NUM_CMP, H, D] and PRE [B, NUM_CMP, H, HIDDEN] (float32, the pre-activation) of
+    ROWS compressed tokens of sequence b, KV head h (module docstring); W1, W2 and OUT in the
+    compute dtype."""
+    COMPUTE = OUT.dtype.element_ty
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    i_ok = i < NUM_CMP
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    x_rows = X + b * stride_xb + h * stride_xh + (i * CMP_STRIDE).to(tl.int64) * stride_xt
+    x_mask = i_ok[:, None] & e_ok[None, :]
+    w1_token = W1 + n[None, :] * (CMP_BLOCK * D) + e[:, None]  # [BLOCK_D, BLOCK_HID] at j = 0
+    w_mask = e_ok[:, None] & n_ok[None, :]
+    pre = tl.zeros([ROWS, BLOCK_HID], tl.float32)
+    for j in range(CMP_BLOCK):
+        x = tl.load(x_rows[:, None] + j * stride_xt + e[None, :], mask=x_mask, other=0.0)
+        p = tl.load(POSITION + j * D + e, mask=e_ok, other=0.0)
+        block = (x.to(tl.float32) + p.to(tl.float32)[None, :]).to(COMPUTE)
+        pre += dot(block, tl.load(w1_token + j * D, mask=w_mask, other=0.0), IEEE)
+    pre += tl.load(B1 + n, mask=n_ok, other=0.0).to(COMPUTE).to(tl.float32)[None, :]
+    rows = (b * NUM_CMP + i) * H + h  # rows of [B, NUM_CMP, H]
+    tl.store(PRE + rows[:, None] * HIDDEN + n[None, :], pre, mask=i_ok[:, None] & n_ok[None, :])
+    w2 = tl.load(W2 + e[None, :] * HIDDEN + n[:, None], mask=n_ok[:, None] & e_ok[None, :],
+                 other=0.0)  # [BLOCK_HID, BLOCK_D]: W2^T
+    out = dot(_gelu(pre).to(COMPUTE), w2, IEEE)
+    out += tl.load(B2 + e, mask=e_ok, other=0.0).to(COMPUTE).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None] * D + e[None, :], out.to(COMPUTE), mask=x_mask)
+
+
+@kernel
+def _hidden_grad_kernel(DY, PRE, W2, DH, N, HIDDEN,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr,
+                        ROWS: tl.constexpr, IEEE: tl.constexpr):
+    """DH = (DY W2) · GELU'(PRE) [N, HIDDEN] for ROWS of the N rows of DY [N, D] and PRE [N,
+    HIDDEN] (float32); DY, W2 and DH in the compute dtype."""
+    COMPUTE = DH.dtype.element_ty
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    r_ok = r < N
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    hid_mask = r_ok[:, None] & n_ok[None, :]
+    dy = tl.load(DY + r[:, None] * D + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+    w2 = tl.load(W2 + e[:, None] * HIDDEN + n[None, :], mask=e_ok[:, None] & n_ok[None, :],
+                 other=0.0)  # [BLOCK_D, BLOCK_HID]
+    pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :], mask=hid_mask, other=0.0)
+    d_act = dot(dy, w2, IEEE).to(COMPUTE).to(tl.float32)
+    tl.store(DH + r[:, None] * HIDDEN + n[None, :], (d_act * _gelu_grad(pre)).to(COMPUTE),
+             mask=hid_mask)
+
+
+@kernel
+def _input_grad_kernel(DH, W1, DX, stride_xb, stride_xt, stride_xh, T, NUM_CMP, H, HIDDEN,
+                       CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """DX [B, T, H, D] at tokens t = m·CMP_STRIDE + r of ROWS chunks m (program axis 0),
+    residue r (axis 1), sequence b and KV head h (axis 2): Σ over the blocks i = m - k (k <
+    CMP_BLOCK / CMP_STRIDE) that hold t as their token j = r + k·CMP_STRIDE of DH[b, i, h]
+    [HIDDEN] times W1's columns of token j (DH and W1 in the compute dtype)."""
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    residue = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = m * CMP_STRIDE + residue
+    t_ok = t < T
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for k in range(CMP_BLOCK // CMP_STRIDE):
+        i = m - k
+        ok = t_ok & (i >= 0) & (i < NUM_CMP)
+        rows = (b * NUM_CMP + i) * H + h
+        dh = tl.load(DH + rows[:, None] * HIDDEN + n[None, :], mask=ok[:, None] & n_ok[None, :],
+                     other=0.0)
+        token = residue + k * CMP_STRIDE
+        w1 = tl.load(W1 + n[:, None] * (CMP_BLOCK * D) + token * D + e[None, :],
+                     mask=n_ok[:, None] & e_ok[None, :], other=0.0)
+        acc += dot(dh, w1, IEEE)
+    dx_rows = DX + b * stride_xb + h * stride_xh + t.to(tl.int64) * stride_xt
+    tl.store(dx_rows[:, None] + e[None, :], acc.to(DX.dtype.element_ty),
+             mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _split_rows(start, end, NUM_CMP, H, ROWS: tl.constexpr):
+    """The rows [start, start + ROWS) (those < end valid) of [B, NUM_CMP, H] -> (r as int64,
+    valid, b as int64, compressed token i, KV head h)."""
+    r = start + tl.arange(0, ROWS)
+    return r.to(tl.int64), r < end, (r // (H * NUM_CMP)).to(tl.int64), (r // H) % NUM_CMP, r % H
+
+
+@kernel
+def _weight_grads_kernel(DH, DY, PRE, X, POSITION, W1, PARTIAL,
+                         stride_xb, stride_xt, stride_xh, stride_ps, N, NUM_CMP, H, HIDDEN,
+                         SPLIT_ROWS, W2_AT, POSITION_AT, B1_AT, B2_AT,
+                         CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """Row s = program axis 1 of PARTIAL (float32, row stride stride_ps): the sums over split
+    s's rows (SPLIT_ROWS of the N rows of [B, NUM_CMP, H], a multiple of ROWS) of W1's
+    gradient at its columns of block token j = program axis 0 ([HIDDEN, CMP_BLOCK·D] from
+    column 0) and of P[j]'s (at POSITION_AT + j·D); programs j = 0 also write W2's ([D,
+    HIDDEN] at W2_AT), b1's (at B1_AT) and b2's (at B2_AT). DH, DY and W1 in the compute
+    dtype, PRE float32 (module docstring)."""
+    COMPUTE = DH.dtype.element_ty
+    j = tl.program_id(0)
+    split = tl.program_id(1)
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    p = tl.load(POSITION + j * D + e, mask=e_ok, other=0.0).to(tl.float32)
+    first = split * SPLIT_ROWS
+    end = tl.minimum(N, first + SPLIT_ROWS)
+    acc = tl.zeros([BLOCK_HID, BLOCK_D], tl.float32)
+    dh_sum = tl.zeros([BLOCK_HID], tl.float32)
+    for start in range(first, end, ROWS):
+        r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
+        dh = tl.load(DH + r[:, None] * HIDDEN + n[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                     other=0.0)
+        x_rows = X + b * stride_xb + h * stride_xh + (i * CMP_STRIDE + j).to(tl.int64) * stride_xt
+        x = tl.load(x_rows[:, None] + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+        block = tl.where(r_ok[:, None], x.to(tl.float32) + p[None, :], 0.0).to(COMPUTE)
+        acc += dot(tl.trans(dh), block, IEEE)
+        dh_sum += tl.sum(dh.to(tl.float32), axis=0)
+    row = PARTIAL + split.to(tl.int64) * stride_ps
+    w_mask = n_ok[:, None] & e_ok[None, :]
+    tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], acc, mask=w_mask)
+    w1 = tl.load(W1 + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], mask=w_mask, other=0.0)
+    tl.store(row + POSITION_AT + j * D + e, tl.sum(dh_sum[:, None] * w1.to(tl.float32), axis=0),
+             mask=e_ok)
+    if j == 0:
+        tl.store(row + B1_AT + n, dh_sum, mask=n_ok)
+        acc_w2 = tl.zeros([BLOCK_D, BLOCK_HID], tl.float32)
+        dy_sum = tl.zeros([BLOCK_D], tl.float32)
+        for start in range(first, end, ROWS):
+            r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
+            dy = tl.load(DY + r[:, None] * D + e[None, :], mask=r_ok[:, None] & e_ok[None, :],
+                         other=0.0)
+            pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :],
+                          mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_w2 += dot(tl.trans(dy), _gelu(pre).to(COMPUTE), IEEE)
+            dy_sum += tl.sum(dy.to(tl.float32), axis=0)
+        tl.store(row + W2_AT + e[:, None] * HIDDEN + n[None, :], acc_w2,
+                 mask=e_ok[:, None] & n_ok[None, :])
+        tl.store(row + B2_AT + e, dy_sum, mask=e_ok)
+
+
+# Launch wrappers -------------------------------------------------------------------------
+
+
+def compressed_count(T: int, cmp_block: int, cmp_stride: int) -> int:
+    """Compressed tokens of T tokens: blocks [i·d, i·d + l) that fit."""
+    return 0 if T < cmp_block else (T - cmp_block) // cmp_stride + 1
+
+
+def fits(D: int, hidden: int) -> bool:
+    """Whether the kernels take a head dim D and a hidden width: their tiles hold whole rows
+    of both."""
+    return pow2(D, 16) <= MAX_DIM and pow2(hidden, 16) <= MAX_HIDDEN
+
+
+def _meta(kind: str, D: int, hidden: int, compute_dtype: torch.dtype) -> dict:
+    """Meta-parameters and launch options of kernel ``kind`` (a key of ROWS)."""
+    wide = pow2(hidden, 16) > 128
+    rows = max(16, ROWS[kind] // 2) if wide else ROWS[kind]
+    return dict(D=D, BLOCK_D=pow2(D, 16), BLOCK_HID=pow2(hidden, 16), ROWS=rows,
+                IEEE=compute_dtype == torch.float32, num_warps=8 if wide else 4)
+
+
+def compress(x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
+             w2: torch.Tensor, b2: torch.Tensor, cmp_block: int,
+             cmp_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, H, D] (T >= cmp_block) -> (out [B, Tc, H, D], the pre-activation [B, Tc, H,
+    hidden] float32) of the MLP compressor with the position embedding ``position`` [l, D] and
+    layers (w1 [hidden, l·D], b1), (w2 [D, hidden], b2), computed in w1's dtype (w2's too;
+    out's)."""
+    B, T, H, D = x.shape
+    hidden = w1.shape[0]
+    Tc = compressed_count(T, cmp_block, cmp_stride)
+    x = unit_stride(x)
+    out = torch.empty(B, Tc, H, D, dtype=w1.dtype, device=x.device)
+    pre = torch.empty(B, Tc, H, hidden, dtype=torch.float32, device=x.device)
+    meta = _meta("forward", D, hidden, w1.dtype)
+    _compress_fwd_kernel[(cdiv(Tc, meta["ROWS"]), B * H)](
+        x, position.contiguous(), w1.contiguous(), b1.contiguous(), w2.contiguous(),
+        b2.contiguous(), out, pre, *x.stride()[:3], Tc, H, hidden, CMP_BLOCK=cmp_block,
+        CMP_STRIDE=cmp_stride, **meta)
+    return out, pre
+
+
+def _weight_grad_sizes(cmp_block: int, D: int, hidden: int) -> tuple[int, ...]:
+    """Elements of the gradients of W1, W2, P, b1 and b2, in the order the weights' gradient
+    buffer holds them."""
+    return hidden * cmp_block * D, D * hidden, cmp_block * D, hidden, D
+
+
+def compress_backward(grad: torch.Tensor, x: torch.Tensor, pre: torch.Tensor,
+                      position: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      cmp_block: int, cmp_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x's gradient, in x's dtype; the weights' gradients in one float32 vector, split by
+    :func:`split_weight_grads`) of :func:`compress` given its output's gradient ``grad`` [B,
+    Tc, H, D] (in w1's dtype)."""
+    B, T, H, D = x.shape
+    Tc, hidden = pre.shape[1], pre.shape[3]
+    x, w1, w2, position = (unit_stride(x), w1.contiguous(), w2.contiguous(),
+                           position.contiguous())
+    grad = grad.to(w1.dtype).contiguous()
+    N = B * Tc * H
+    meta = _meta("hidden_grad", D, hidden, w1.dtype)
+    dh = torch.empty(N, hidden, dtype=w1.dtype, device=x.device)
+    _hidden_grad_kernel[(cdiv(N, meta["ROWS"]),)](grad, pre, w2, dh, N, hidden, **meta)
+    dx = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    meta = _meta("input_grad", D, hidden, w1.dtype)
+    _input_grad_kernel[(cdiv(cdiv(T, cmp_stride), meta["ROWS"]), cmp_stride, B * H)](
+        dh, w1, dx, *dx.stride()[:3], T, Tc, H, hidden, CMP_BLOCK=cmp_block,
+        CMP_STRIDE=cmp_stride, **meta)
+    meta = _meta("weight_grads", D, hidden, w1.dtype)
+    row_tiles = cdiv(N, meta["ROWS"])
+    splits = min(WEIGHT_SPLITS, row_tiles)
+    sizes = _weight_grad_sizes(cmp_block, D, hidden)  # one row per split
+    at = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    partial = torch.empty(splits, at[-1], dtype=torch.float32, device=x.device)
+    _weight_grads_kernel[(cmp_block, splits)](
+        dh, grad, pre, x, position, w1, partial, *x.stride()[:3], partial.stride(0), N, Tc, H,
+        hidden, cdiv(row_tiles, splits) * meta["ROWS"], at[1], at[2], at[3], at[4],
+        CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
+    return dx, partial.sum(0)
+
+
+def split_weight_grads(sums: torch.Tensor, cmp_block: int, D: int,
+                       hidden: int) -> tuple[torch.Tensor, ...]:
+    """The gradients of P, W1, b1, W2 and b2 (views) from :func:`compress_backward`'s
+    vector."""
+    sizes = _weight_grad_sizes(cmp_block, D, hidden)
+    dw1, dw2, d_position, db1, db2 = sums.split(sizes)
+    return (d_position.view(cmp_block, D), dw1.view(hidden, cmp_block * D), db1,
+            dw2.view(D, hidden), db2)
+
+
+compress_op = torch.library.custom_op("nsa::compress", compress, mutates_args=())
+compress_backward_op = torch.library.custom_op("nsa::compress_backward", compress_backward,
+                                               mutates_args=())
+
+
+@compress_op.register_fake
+def _(x, position, w1, b1, w2, b2, cmp_block, cmp_stride):
+    B, T, H, D = x.shape
+    Tc = compressed_count(T, cmp_block, cmp_stride)
+    return (x.new_empty(B, Tc, H, D, dtype=w1.dtype),
+            x.new_empty(B, Tc, H, w1.shape[0], dtype=torch.float32))
+
+
+@compress_backward_op.register_fake
+def _(grad, x, pre, position, w1, w2, cmp_block, cmp_stride):
+    size = sum(_weight_grad_sizes(cmp_block, x.shape[3], w1.shape[0]))
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            x.new_empty(size, dtype=torch.float32))
+
+
+class _CompressFunction(torch.autograd.Function):
+    """:func:`compress` forward (one launch, after the weights' casts to the compute dtype)
+    and :func:`compress_backward` (three launches and one sum)."""
+
+    @staticmethod
+    def forward(ctx, x, position, w1, b1, w2, b2, cmp_block, cmp_stride, compute_dtype):
+        w1_c, w2_c = w1.to(compute_dtype), w2.to(compute_dtype)
+        out, pre = call_op(compress_op, compress, x, position, w1_c, b1, w2_c, b2, cmp_block,
+                           cmp_stride)
+        ctx.save_for_backward(x, pre, position, w1_c, w2_c)
+        ctx.blocks = (cmp_block, cmp_stride)
+        ctx.dtypes = (position.dtype, w1.dtype, b1.dtype, w2.dtype, b2.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each only once
+        x, _, _, w1, _ = saved
+        dx, sums = call_op(compress_backward_op, compress_backward, grad, *saved, *ctx.blocks)
+        grads = split_weight_grads(sums, ctx.blocks[0], x.shape[3], w1.shape[0])
+        return (dx, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None)
+
+
+def compress_triton(x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor,
+                    b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, cmp_block: int,
+                    cmp_stride: int, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The MLP compressor's output [B, Tc, H, D] (``compute_dtype``) of x [B, T, H, D], T >=
+    cmp_block, cmp_stride dividing cmp_block: one autograd node, one launch forward and three
+    backward (module docstring)."""
+    return _CompressFunction.apply(x, position, w1, b1, w2, b2, cmp_block, cmp_stride,
+                                   compute_dtype)

@@ -1,0 +1,161 @@
+"""The Triton MLP compressor (nsa/ops/triton/compressor.py) equals the PyTorch form of
+``Compressor`` forward and backward (every parameter's gradient and the input's): strided
+inputs as the layer passes them, head dims and hidden widths that are not powers of two,
+T not a multiple of the stride, T equal to the block, one chunk per block (d = l) and four,
+more rows than one program's; its gradients are deterministic and the same under activation
+checkpointing, its ops pass opcheck, and a CUDA layer's compressors take it. On a machine
+without CUDA it runs in Triton's interpreter (float32 exactly, float16 within its rounding;
+bfloat16 on the GPU)."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from nsa.layers.compressor import Compressor
+
+pytest.importorskip("triton")
+
+from nsa.ops.triton import compressor as triton_compressor  # noqa: E402
+from nsa.ops.triton.compressor import (  # noqa: E402
+    compress_backward_op,
+    compress_op,
+    compress_triton,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (B, T, H, D, block, stride, hidden)
+SHAPES = [
+    (2, 37, 3, 10, 8, 4, 12),  # odd T, D and hidden; two chunks a block
+    (1, 16, 1, 16, 16, 16, 32),  # T = block: one compressed token; one chunk a block
+    (2, 90, 2, 8, 8, 2, 16),  # four chunks a block; 42 compressed tokens (ROWS patched to 16)
+]
+
+
+def compressor_and_input(B, T, H, D, block, stride, hidden, dtype, seed=0):
+    """A Compressor with non-zero biases and position embedding, and x [B, T, H, D] as a
+    strided view of a wider leaf (the layer's K/V sets are views of one projection)."""
+    torch.manual_seed(seed)
+    module = Compressor(D, block, stride, "mlp", hidden)
+    with torch.no_grad():
+        module.position.normal_()
+        for layer in (module.mlp[0], module.mlp[2]):
+            layer.bias.normal_()
+    module = module.to(DEVICE, dtype)
+    base = torch.randn(B, T, H + 1, D + 3, device=DEVICE).to(dtype)
+    return module, base
+
+
+def run(module, base, H, D, form):
+    """(output, gradients of the base and every parameter) of ``form`` on x = base's view."""
+    module.zero_grad(set_to_none=True)
+    leaf = base.clone().requires_grad_()
+    x = leaf[:, :, 1:1 + H, 1:1 + D]
+    out = form(module, x)
+    g = torch.Generator().manual_seed(3)
+    out.backward(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
+    # Copies: moving the module to another device later moves its gradients in place.
+    return [t.detach().clone() for t in [out, leaf.grad, *(p.grad for p in module.parameters())]]
+
+
+def triton_form(module, x):
+    first, _, second = module.mlp
+    return compress_triton(x, module.position, first.weight, first.bias, second.weight,
+                           second.bias, module.block, module.stride, first.weight.dtype)
+
+
+def torch_form(module, x):
+    return module.forward(x.cpu()).to(x.device) if x.is_cuda else module(x)
+
+
+@pytest.fixture
+def small_rows(monkeypatch):
+    """Programs of 16 rows, so that small shapes take several (and the last one partial)."""
+    monkeypatch.setattr(triton_compressor, "ROWS", dict.fromkeys(triton_compressor.ROWS, 16))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_compressor_equals_torch_float32(shape, small_rows):
+    B, T, H, D, block, stride, hidden = shape
+    module, base = compressor_and_input(*shape, torch.float32)
+    expected = run(module.cpu(), base.cpu(), H, D, torch_form)
+    got = run(module.to(DEVICE), base, H, D, triton_form)
+    names = ["out", "x"] + [n for n, _ in module.named_parameters()]
+    for name, a, b in zip(names, got, expected):
+        assert a.dtype == b.dtype, name
+        # Sums in other orders (float32), and cancellation (the position's gradient sums
+        # the hidden units' of b1 times W1): within 1e-5 of each tensor's scale.
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5 * b.abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda"
+                                                     else []), ids=str)
+def test_triton_compressor_half_precision_within_rounding(dtype, small_rows):
+    """In 16 bits against the float64 PyTorch form: within the dtype's rounding of the
+    operands, dh and the output (relative to each tensor's scale)."""
+    shape = SHAPES[0]
+    B, T, H, D, block, stride, hidden = shape
+    module, base = compressor_and_input(*shape, dtype)
+    expected = run(module.double().cpu(), base.double().cpu(), H, D, torch_form)
+    module, base = compressor_and_input(*shape, dtype)
+    got = run(module, base, H, D, triton_form)
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 4e-3
+    for a, b in zip(got, expected):
+        assert torch.isfinite(a).all()
+        scale = b.abs().max().item()
+        assert (a.cpu().double() - b).abs().max().item() <= tolerance * scale
+
+
+def test_triton_compressor_gradients_are_deterministic(small_rows):
+    shape = SHAPES[2]
+    module, base = compressor_and_input(*shape, torch.float32)
+    first = run(module, base, shape[2], shape[3], triton_form)
+    second = run(module, base, shape[2], shape[3], triton_form)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_triton_compressor_under_activation_checkpointing(small_rows):
+    """Recomputed in the backward (non-reentrant checkpointing, as the trainer's
+    activation_checkpointing), it gives the gradients of the plain run: its backward unpacks
+    each saved tensor once."""
+    shape = SHAPES[0]
+    module, base = compressor_and_input(*shape, torch.float32)
+    plain = run(module, base, shape[2], shape[3], triton_form)
+    checkpointed = run(module, base, shape[2], shape[3],
+                       lambda m, x: checkpoint(triton_form, m, x, use_reentrant=False))
+    for a, b in zip(checkpointed, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_triton_compressor_ops_pass_opcheck(small_rows):
+    B, T, H, D, block, stride, hidden = SHAPES[0]
+    module, base = compressor_and_input(*SHAPES[0], torch.float32)
+    first, _, second = module.mlp
+    x = base[:, :, :H, :D]
+    weights = (module.position, first.weight, first.bias, second.weight, second.bias)
+    weights = tuple(w.detach() for w in weights)
+    torch.library.opcheck(compress_op, (x, *weights, block, stride),
+                          test_utils=("test_schema", "test_faketensor"))
+    out, pre = compress_op(x, *weights, block, stride)
+    position, w1, _, w2, _ = weights
+    torch.library.opcheck(compress_backward_op,
+                          (torch.randn_like(out), x, pre, position, w1, w2, block, stride),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the layer takes the Triton form on CUDA only")
+def test_cuda_compressor_takes_triton_form_under_autocast():
+    """On CUDA under bf16 autocast the module's forward is the Triton form (one autograd node
+    of compress_triton) and agrees with the PyTorch form in float64."""
+    shape = (2, 130, 2, 64, 32, 16, 128)  # m7c-125m's compressor
+    B, T, H, D, block, stride, hidden = shape
+    module, base = compressor_and_input(*shape, torch.float32)
+    x = base[:, :, :H, :D]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = module(x)
+    assert out.dtype == torch.bfloat16
+    assert type(out.grad_fn).__name__ == "_CompressFunctionBackward"
+    expected = module.double().cpu()(x.double().cpu())
+    scale = expected.abs().max().item()
+    assert (out.double().cpu() - expected).abs().max().item() <= 3e-2 * scale
