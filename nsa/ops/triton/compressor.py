@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.params import compressed_length
 from nsa.ops.triton.common import dot
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
@@ -232,11 +233,6 @@ def _weight_grads_kernel(DH, DY, PRE, X, POSITION, W1, PARTIAL,
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def compressed_count(T: int, cmp_block: int, cmp_stride: int) -> int:
-    """Compressed tokens of T tokens: blocks [i·d, i·d + l) that fit."""
-    return 0 if T < cmp_block else (T - cmp_block) // cmp_stride + 1
-
-
 def fits(D: int, hidden: int) -> bool:
     """Whether the kernels take a head dim D and a hidden width: their tiles hold whole rows
     of both."""
@@ -260,7 +256,7 @@ def compress(x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, b1: torc
     out's)."""
     B, T, H, D = x.shape
     hidden = w1.shape[0]
-    Tc = compressed_count(T, cmp_block, cmp_stride)
+    Tc = compressed_length(T, cmp_block, cmp_stride)
     x = unit_stride(x)
     out = torch.empty(B, Tc, H, D, dtype=w1.dtype, device=x.device)
     pre = torch.empty(B, Tc, H, hidden, dtype=torch.float32, device=x.device)
@@ -329,7 +325,7 @@ compress_backward_op = torch.library.custom_op("nsa::compress_backward", compres
 @compress_op.register_fake
 def _(x, position, w1, b1, w2, b2, cmp_block, cmp_stride):
     B, T, H, D = x.shape
-    Tc = compressed_count(T, cmp_block, cmp_stride)
+    Tc = compressed_length(T, cmp_block, cmp_stride)
     return (x.new_empty(B, Tc, H, D, dtype=w1.dtype),
             x.new_empty(B, Tc, H, w1.shape[0], dtype=torch.float32))
 
