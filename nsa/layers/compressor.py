@@ -66,6 +66,11 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, H, D] -> [B, Tc, H, D]: a compressed token every ``stride`` tokens from 0, or,
         given ``first`` [Tc], one for each block of ``block`` tokens starting at first[i]."""
+        if (self.kind == "mlp" and first is None and x.shape[1] >= self.block and x.is_cuda
+                and TRITON_AVAILABLE):
+            compressed = self._compress_triton(x)
+            if compressed is not None:
+                return compressed
         if first is None:
             blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
         else:
@@ -73,10 +78,6 @@ class Compressor(nn.Module):
         if self.kind == "mean":
             return blocks.mean(dim=-2)
         first_layer, activation, second_layer = self.mlp
-        if first is None and blocks.shape[1] > 0 and x.is_cuda and TRITON_AVAILABLE:
-            compressed = self._compress_triton(x)
-            if compressed is not None:
-                return compressed
         # W1·flatten(P) + b1 [hidden]: the position embedding's share of every block's product.
         bias = F.linear(self.position.flatten(), first_layer.weight, first_layer.bias)
         if first is None and blocks.shape[1] > 0:
