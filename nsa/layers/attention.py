@@ -37,7 +37,7 @@ from nsa.layers.rope import (
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
-from nsa.ops.triton_support import TRITON_AVAILABLE
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
 
 ATTENTIONS = ("nsa", "dense")
 KV_SHARING = ("independent", "shared")
@@ -320,14 +320,14 @@ class NSAttention(nn.Module):
         c, p = self.config, self.config.nsa
         num_cmp = cache.k_cmp.shape[1]
         if cache.src_k.is_cuda and TRITON_AVAILABLE:
-            from nsa.ops.triton.cache_compress import COMPUTE_DTYPES, compress_step_triton
+            from nsa.ops.triton.cache_compress import compress_step_triton
 
             device = cache.src_k.device
             mlp_dtype = (torch.get_autocast_dtype(device.type)
                          if torch.is_autocast_enabled(device.type)
                          else self.compress_k.mlp[0].weight.dtype if c.compressor == "mlp"
                          else cache.src_k.dtype)
-            if mlp_dtype in COMPUTE_DTYPES and cache.src_k.dtype in COMPUTE_DTYPES:
+            if mlp_dtype in TRITON_DTYPES and cache.src_k.dtype in TRITON_DTYPES:
                 rope = compressed_rope_table(num_cmp, p.cmp_block, p.cmp_stride, c.head_dim_k,
                                              c.rope_base, device)
                 for ring, compressor, out, angles in (

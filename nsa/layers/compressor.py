@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa.ops.triton_support import TRITON_AVAILABLE
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
 
 COMPRESSORS = ("mlp", "mean")
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton form's dtypes
 
 
 def compression_blocks(x: torch.Tensor, block: int, stride: int) -> torch.Tensor:

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nsa.layers.rope import ROPE_TRITON_DTYPES, rotate_torch
-from nsa.ops.triton_support import TRITON_AVAILABLE
+from nsa.layers.rope import rotate_torch
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
 
 FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
 
@@ -150,7 +150,7 @@ class HeadsLayout:
 def _use_kernel(y: torch.Tensor) -> bool:
     """Whether ``split_heads`` rotates with the Triton RoPE kernel (CUDA tensors of its dtypes
     where Triton is installed) or with :func:`rotate_torch`."""
-    return y.is_cuda and TRITON_AVAILABLE and y.dtype in ROPE_TRITON_DTYPES
+    return y.is_cuda and TRITON_AVAILABLE and y.dtype in TRITON_DTYPES
 
 
 def _rotated(xs: list[torch.Tensor], cos, sin, kernel: bool) -> list[torch.Tensor]:

@@ -12,10 +12,12 @@ from nsa.ops.params import (
     check_select_inputs,
 )
 from nsa.ops.torch_backend import _compute_dtype, nsa_attention_torch, nsa_select_torch
-from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_INTERPRET, TRITON_MISSING_REASON
-
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
+from nsa.ops.triton_support import (
+    TRITON_AVAILABLE,
+    TRITON_DTYPES,
+    TRITON_INTERPRET,
+    TRITON_MISSING_REASON,
+)
 
 # Largest block parameters the Triton kernels take: a selection block is one tile of keys,
 # and the selection kernel scores pow2(num_selected) blocks (of sel_block / cmp_stride

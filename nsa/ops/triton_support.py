@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
+
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' dtypes
 TRITON_MISSING_REASON = "" if TRITON_AVAILABLE else "the triton package is not installed"
 # Under TRITON_INTERPRET=1 Triton kernels run on CPU tensors (slowly): the CI tests use this.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

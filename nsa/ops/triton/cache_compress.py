@@ -39,7 +39,6 @@ import triton.language as tl
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2
 
-COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' compute dtypes
 FIRST_PRODUCT_TILE = 8192  # most elements one program loads at once: W1's, or the partials'
 
 
