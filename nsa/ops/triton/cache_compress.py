@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa.ops.triton.common import gelu
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2
 
@@ -121,7 +122,7 @@ def _finish_kernel(RING, POS, PARTIAL, POSITION_PARTIAL, B1, W2, B2, COS, SIN, O
         b1 = tl.load(B1 + j, mask=j_ok, other=0.0).to(COMPUTE).to(tl.float32)
         bias = (acc_position + b1).to(COMPUTE).to(tl.float32)
         hidden = (acc.to(COMPUTE).to(tl.float32) + bias).to(COMPUTE).to(tl.float32)
-        hidden = (0.5 * hidden * (1.0 + tl.erf(hidden * 0.7071067811865476))).to(COMPUTE)
+        hidden = gelu(hidden).to(COMPUTE)
         hidden = hidden.to(tl.float32)
         w2 = W2 + i[:, None] * HIDDEN + j[None, :]
         w2_lo = tl.load(w2, mask=lo_ok[:, None] & j_ok[None, :], other=0.0)

@@ -39,6 +39,22 @@ def dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def gelu(x):
+    """GELU(x) = x Φ(x) (the exact form, nn.GELU's default), float32: the compressor MLP's."""
+    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+
+
+@triton.jit
+def gelu_grad(x):
+    """d GELU / dx = Φ(x) + x φ(x), float32."""
+    return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
+
+
 @triton.jit
 def longest_first():
     """(tile, pid_bh) of this program in a grid (tiles, B·H) whose tiles' work grows with the

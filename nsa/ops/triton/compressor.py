@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from nsa.ops.params import compressed_length
-from nsa.ops.triton.common import dot
+from nsa.ops.triton.common import dot, gelu, gelu_grad
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 
@@ -51,22 +51,6 @@ from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 ROWS = dict(forward=16, hidden_grad=16, input_grad=64, weight_grads=64)
 MAX_DIM, MAX_HIDDEN = 128, 256  # widest tiles (padded to powers of two) the kernels take
 WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: l x splits)
-SQRT_HALF = tl.constexpr(0.7071067811865476)
-INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-
-
-@triton.jit
-def _gelu(x):
-    """GELU(x) = x Φ(x) (the exact form, nn.GELU's default), float32."""
-    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
-
-
-@triton.jit
-def _gelu_grad(x):
-    """d GELU / dx = Φ(x) + x φ(x), float32."""
-    return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * INV_SQRT_2PI * tl.exp(-0.5 * x * x)
-
-
 @kernel
 def _compress_fwd_kernel(X, POSITION, W1, B1, W2, B2, OUT, PRE,
                          stride_xb, stride_xt, stride_xh, NUM_CMP, H, HIDDEN,
@@ -101,7 +85,7 @@ def _compress_fwd_kernel(X, POSITION, W1, B1, W2, B2, OUT, PRE,
     tl.store(PRE + rows[:, None] * HIDDEN + n[None, :], pre, mask=i_ok[:, None] & n_ok[None, :])
     w2 = tl.load(W2 + e[None, :] * HIDDEN + n[:, None], mask=n_ok[:, None] & e_ok[None, :],
                  other=0.0)  # [BLOCK_HID, BLOCK_D]: W2^T
-    out = dot(_gelu(pre).to(COMPUTE), w2, IEEE)
+    out = dot(gelu(pre).to(COMPUTE), w2, IEEE)
     out += tl.load(B2 + e, mask=e_ok, other=0.0).to(COMPUTE).to(tl.float32)[None, :]
     tl.store(OUT + rows[:, None] * D + e[None, :], out.to(COMPUTE), mask=x_mask)
 
@@ -125,7 +109,7 @@ def _hidden_grad_kernel(DY, PRE, W2, DH, N, HIDDEN,
                  other=0.0)  # [BLOCK_D, BLOCK_HID]
     pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :], mask=hid_mask, other=0.0)
     d_act = dot(dy, w2, IEEE).to(COMPUTE).to(tl.float32)
-    tl.store(DH + r[:, None] * HIDDEN + n[None, :], (d_act * _gelu_grad(pre)).to(COMPUTE),
+    tl.store(DH + r[:, None] * HIDDEN + n[None, :], (d_act * gelu_grad(pre)).to(COMPUTE),
              mask=hid_mask)
 
 
@@ -223,7 +207,7 @@ def _weight_grads_kernel(DH, DY, PRE, X, POSITION, W1, PARTIAL,
                          other=0.0)
             pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :],
                           mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_w2 += dot(tl.trans(dy), _gelu(pre).to(COMPUTE), IEEE)
+            acc_w2 += dot(tl.trans(dy), gelu(pre).to(COMPUTE), IEEE)
             dy_sum += tl.sum(dy.to(tl.float32), axis=0)
         tl.store(row + W2_AT + e[:, None] * HIDDEN + n[None, :], acc_w2,
                  mask=e_ok[:, None] & n_ok[None, :])
