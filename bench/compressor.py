@@ -1,12 +1,14 @@
-"""GPU time of the MLP compressor (nsa.layers.compressor.Compressor) forward and
-forward+backward: the Triton kernels (nsa/ops/triton/compressor.py) against the PyTorch form,
-measured in the same run, each kernel of both listed.
+"""GPU time of a layer's two MLP compressors (nsa.layers.compressor) forward and
+forward+backward: the Triton kernels (nsa/ops/triton/compressor.py) taking both in one launch
+("pair", as the layer runs them) or each in its own, against the PyTorch form, measured in the
+same run, each kernel listed.
 
     python bench/compressor.py                          # m7c-125m's: 8 x 2048, 2 heads, D 64
     python bench/compressor.py --rows 16,32,64 --json out.json
 
-The input is a strided view of a projection as the layer passes it (three K/V sets of H
-heads, keys and values); weights in float32 under bf16 autocast, as in training. ``--rows``
+The inputs are strided views of a projection as the layer passes them (three K/V sets of H
+heads: the first set's keys and values); weights in float32 under bf16 autocast, as in
+training. ``--rows``
 also times each Triton kernel with each of the given rows per program (the others as shipped).
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 from op_host import kernel_ms  # bench/op_host.py
 
-from nsa.layers.compressor import Compressor
+from nsa.layers.compressor import Compressor, compress_all
 from nsa.ops.triton import compressor as triton_compressor
 from nsa.train.checkpoint import atomic_write_json
 
@@ -29,22 +31,28 @@ KERNELS = dict(forward="_compress_fwd_kernel", hidden_grad="_hidden_grad_kernel"
 
 
 def workload(B, T, H, D, block, stride, hidden):
+    """A layer's two compressors (keys', values') on their strided views of one projection
+    -> (the compressors, forward, forward+backward)."""
     torch.manual_seed(0)
-    module = Compressor(D, block, stride, "mlp", hidden).cuda()
+    modules = [Compressor(D, block, stride, "mlp", hidden).cuda() for _ in range(2)]
     projection = torch.randn(B, T, 3 * H * 2 * D, device="cuda", dtype=torch.bfloat16)
-    x = projection.view(B, T, 3 * H, 2 * D)[:, :, :H, :D].requires_grad_()  # the keys' view
-    leaves = [x, *module.parameters()]
+    heads = projection.view(B, T, 3 * H, 2 * D)
+    xs = [heads[:, :, :H, :D].requires_grad_(), heads[:, :, :H, D:].requires_grad_()]
+    leaves = [*xs, *(p for m in modules for p in m.parameters())]
+    form = ["pair"]
 
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return module(x)
+            if form[0] == "pair":
+                return compress_all(modules, xs)
+            return [m(x) for m, x in zip(modules, xs)]
 
-    grad = torch.randn_like(forward())
+    grads = [torch.randn_like(out) for out in forward()]
 
     def forward_backward():
-        torch.autograd.grad(forward(), leaves, grad)
+        torch.autograd.grad(forward(), leaves, grads)
 
-    return module, forward, forward_backward
+    return modules, form, forward, forward_backward
 
 
 def main(argv=None):
@@ -61,26 +69,32 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the Triton form runs on CUDA only)")
-    module, forward, forward_backward = workload(args.batch, args.seq, args.heads, args.dim,
-                                                 args.block, args.stride, args.hidden)
+    modules, form, forward, forward_backward = workload(args.batch, args.seq, args.heads,
+                                                        args.dim, args.block, args.stride,
+                                                        args.hidden)
     print(f"# {torch.cuda.get_device_name()}, B={args.batch}, T={args.seq}, H={args.heads}, "
-          f"D={args.dim}, l={args.block}, d={args.stride}, bf16 autocast; GPU ms per call")
+          f"D={args.dim}, l={args.block}, d={args.stride}, bf16 autocast; GPU ms per call of "
+          f"a layer's two compressors")
     results = {}
-    for form in ("triton", "pytorch"):
-        if form == "pytorch":  # the module's own fallback: the PyTorch form
-            module._compress_triton = lambda x: None
+    for name in ("triton pair", "triton each", "pytorch"):
+        form[0] = name.split()[-1]
+        if name == "pytorch":  # the modules' own fallback: the PyTorch form
+            for m in modules:
+                m.triton_dtype = lambda x, first: None
         fwd, fwd_bwd = kernel_ms(forward, CALLS, torch.device("cuda")), \
             kernel_ms(forward_backward, CALLS, torch.device("cuda"))
-        results[form] = dict(fwd_ms=sum(fwd.values()), fwd_bwd_ms=sum(fwd_bwd.values()),
+        results[name] = dict(fwd_ms=sum(fwd.values()), fwd_bwd_ms=sum(fwd_bwd.values()),
                              kernels=fwd_bwd)
-    del module._compress_triton
+    for m in modules:
+        del m.triton_dtype
+    form[0] = "pair"
     print("| form | fwd | fwd+bwd | kernels (fwd+bwd) |")
     print("|---|---|---|---|")
-    for form, r in results.items():
-        print(f"| {form} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | {len(r['kernels'])} |")
-    for form, r in results.items():
-        print(f"\n{form}: " + ", ".join(f"{name[:48]} {ms * 1e3:.1f} µs"
-                                         for name, ms in r["kernels"].items()))
+    for name, r in results.items():
+        print(f"| {name} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | {len(r['kernels'])} |")
+    for name, r in results.items():
+        print(f"\n{name}: " + ", ".join(f"{kernel[:48]} {ms * 1e3:.1f} µs"
+                                         for kernel, ms in r["kernels"].items()))
     sweep = []
     shipped = dict(triton_compressor.ROWS)
     for kind, name in KERNELS.items():

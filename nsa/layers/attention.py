@@ -17,7 +17,7 @@ from nsa.layers.cache import (
     ring_from_prefix,
     write_at,
 )
-from nsa.layers.compressor import COMPRESSORS, Compressor
+from nsa.layers.compressor import COMPRESSORS, Compressor, compress_all
 from nsa.layers.documents import PackedDocuments, as_packed_documents
 from nsa.layers.projection import (
     Heads,
@@ -192,8 +192,8 @@ class NSAttention(nn.Module):
         its sequence, or, for packed documents, the l tokens from ``first`` [Tc]. Keys rotated
         by ``angles``, those of the centres of the tokens they summarise
         (:meth:`compressed_angles`)."""
-        k_cmp = self.compress_k(k_src, first)  # [B, Tc, H, Dk]
-        v_cmp = self.compress_v(v_src, first)  # [B, Tc, H, Dv]
+        k_cmp, v_cmp = compress_all([self.compress_k, self.compress_v], [k_src, v_src],
+                                    first)  # [B, Tc, H, Dk], [B, Tc, H, Dv]
         return rotate(k_cmp, *angles), v_cmp
 
     def compressed_angles(self, index: torch.Tensor):

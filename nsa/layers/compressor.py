@@ -43,8 +43,9 @@ class Compressor(nn.Module):
     (packed documents) are gathered.
 
     On CUDA the MLP of blocks every ``stride`` tokens runs as Triton kernels instead, one
-    launch forward and three backward (nsa/ops/triton/compressor.py); the PyTorch form above
-    is the CPU's, the packed documents' and the reference.
+    launch forward and three backward, for two compressors at once through
+    :func:`compress_all` (nsa/ops/triton/compressor.py); the PyTorch form above is the CPU's,
+    the packed documents' and the reference.
     """
 
     def __init__(self, head_dim: int, block: int, stride: int, kind: str = "mlp",
@@ -65,11 +66,8 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, H, D] -> [B, Tc, H, D]: a compressed token every ``stride`` tokens from 0, or,
         given ``first`` [Tc], one for each block of ``block`` tokens starting at first[i]."""
-        if (self.kind == "mlp" and first is None and x.shape[1] >= self.block and x.is_cuda
-                and TRITON_AVAILABLE):
-            compressed = self._compress_triton(x)
-            if compressed is not None:
-                return compressed
+        if self.triton_dtype(x, first) is not None:
+            return compress_all([self], [x])[0]
         if first is None:
             blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
         else:
@@ -85,22 +83,30 @@ class Compressor(nn.Module):
             product = F.linear(blocks.flatten(-2), first_layer.weight)
         return second_layer(activation(product + bias))
 
-    def _compress_triton(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The MLP of the blocks every ``stride`` tokens of x [B, T >= block, H, D] by the
-        Triton kernels (nsa/ops/triton/compressor.py), in the compute dtype (autocast's, or
-        the weights'); None where the kernels do not take its dtypes or widths."""
-        from nsa.ops.triton.compressor import compress_triton, fits
+    def triton_dtype(self, x: torch.Tensor, first: torch.Tensor | None) -> torch.dtype | None:
+        """The compute dtype (autocast's, or the weights') in which the Triton kernels
+        (nsa/ops/triton/compressor.py) take this compressor of x [B, T, H, D]; None where they
+        do not: off CUDA, the mean compressor, given ``first``, T < block, other dtypes or
+        widths."""
+        if (self.kind != "mlp" or first is not None or not x.is_cuda or not TRITON_AVAILABLE
+                or x.shape[1] < self.block):
+            return None
+        from nsa.ops.triton.compressor import fits
 
-        first_layer, _, second_layer = self.mlp
+        first_layer = self.mlp[0]
         compute_dtype = (torch.get_autocast_dtype(x.device.type)
                          if torch.is_autocast_enabled(x.device.type)
                          else first_layer.weight.dtype)
         if (compute_dtype not in TRITON_DTYPES or x.dtype not in TRITON_DTYPES
                 or not fits(x.shape[-1], first_layer.out_features)):
             return None
-        return compress_triton(x, self.position, first_layer.weight, first_layer.bias,
-                               second_layer.weight, second_layer.bias, self.block, self.stride,
-                               compute_dtype)
+        return compute_dtype
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """(P, W1, b1, W2, b2) of the MLP compressor."""
+        first_layer, _, second_layer = self.mlp
+        return (self.position, first_layer.weight, first_layer.bias, second_layer.weight,
+                second_layer.bias)
 
     def _strided_product(self, x: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """W1·flatten(x's block i) for the num_blocks >= 1 blocks every ``stride`` tokens of x
@@ -121,3 +127,26 @@ class Compressor(nn.Module):
         for j in range(1, c):
             out = out + products[:, j:j + num_blocks, :, j::c]
         return out
+
+
+def compress_all(compressors: list[Compressor], xs: list[torch.Tensor],
+                 first: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each compressor applied to its x [B, T, H, D] (``first`` as in Compressor.forward):
+    those the Triton kernels take in one dtype, with one shape of input and weights, in one
+    launch forward and three backward for every two (nsa/ops/triton/compressor.py: a layer's
+    key and value compressors together), the others each by its own forward."""
+    dtypes = {c.triton_dtype(x, first) for c, x in zip(compressors, xs)}
+    if None in dtypes or len(dtypes) > 1 or len(
+            {(x.shape, x.dtype, c.block, c.stride, *(w.shape for w in c.weights()))
+             for c, x in zip(compressors, xs)}) > 1:
+        return [c(x, first) for c, x in zip(compressors, xs)]
+    from nsa.ops.triton.compressor import MAX_SLOTS, compress_triton
+
+    (compute_dtype,) = dtypes
+    block, stride = compressors[0].block, compressors[0].stride
+    outs = []
+    for k in range(0, len(xs), MAX_SLOTS):
+        outs += compress_triton(xs[k:k + MAX_SLOTS],
+                                [c.weights() for c in compressors[k:k + MAX_SLOTS]], block,
+                                stride, compute_dtype)
+    return outs

@@ -7,11 +7,13 @@ checkpointing, its ops pass opcheck, and a CUDA layer's compressors take it. On 
 without CUDA it runs in Triton's interpreter (float32 exactly, float16 within its rounding;
 bfloat16 on the GPU)."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nsa.layers.compressor import Compressor
+from nsa.layers.compressor import Compressor, compress_all
 
 pytest.importorskip("triton")
 
@@ -58,9 +60,8 @@ def run(module, base, H, D, form):
 
 
 def triton_form(module, x):
-    first, _, second = module.mlp
-    return compress_triton(x, module.position, first.weight, first.bias, second.weight,
-                           second.bias, module.block, module.stride, first.weight.dtype)
+    return compress_triton([x], [module.weights()], module.block, module.stride,
+                           module.mlp[0].weight.dtype)[0]
 
 
 def torch_form(module, x):
@@ -131,17 +132,61 @@ def test_triton_compressor_under_activation_checkpointing(small_rows):
 def test_triton_compressor_ops_pass_opcheck(small_rows):
     B, T, H, D, block, stride, hidden = SHAPES[0]
     module, base = compressor_and_input(*SHAPES[0], torch.float32)
-    first, _, second = module.mlp
-    x = base[:, :, :H, :D]
-    weights = (module.position, first.weight, first.bias, second.weight, second.bias)
-    weights = tuple(w.detach() for w in weights)
-    torch.library.opcheck(compress_op, (x, *weights, block, stride),
+    xs = [base[:, :, :H, :D], base[:, :, 1:, 2:2 + D]]
+    weights = [w.detach() for w in module.weights()] * 2
+    torch.library.opcheck(compress_op, (xs, weights, block, stride),
                           test_utils=("test_schema", "test_faketensor"))
-    out, pre = compress_op(x, *weights, block, stride)
-    position, w1, _, w2, _ = weights
+    out, pre = compress_op(xs, weights, block, stride)
+    kept = [w for k, w in enumerate(weights) if k % 5 in (0, 1, 3)]
     torch.library.opcheck(compress_backward_op,
-                          (torch.randn_like(out), x, pre, position, w1, w2, block, stride),
+                          (list(torch.randn_like(out).unbind(0)), xs, pre, kept, block, stride),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_two_compressors_in_one_launch_equal_each_alone(small_rows):
+    """compress_all with a layer's two compressors (other weights, inputs at other columns of
+    one projection) takes them in one Triton call, and each output and gradient equals its
+    compressor's own PyTorch form."""
+    B, T, H, D, block, stride, hidden = SHAPES[0]
+    keys, base = compressor_and_input(*SHAPES[0], torch.float32, seed=0)
+    values, _ = compressor_and_input(*SHAPES[0], torch.float32, seed=1)
+    calls = []
+    original = triton_compressor.compress
+
+    def counting(*args):
+        calls.append(len(args[0]))
+        return original(*args)
+
+    def run_both(form):
+        for m in (keys, values):
+            m.zero_grad(set_to_none=True)
+        leaf = base.clone().requires_grad_()
+        xs = [leaf[:, :, :H, :D], leaf[:, :, 1:1 + H, 2:2 + D]]
+        outs = form(xs)
+        g = torch.Generator().manual_seed(3)
+        sum((o * torch.randn(o.shape, generator=g).to(o.device, o.dtype)).sum()
+            for o in outs).backward()
+        return [o.detach().clone() for o in outs] + [leaf.grad.clone()] + [
+            p.grad.clone() for m in (keys, values) for p in m.parameters()]
+
+    expected = run_both(lambda xs: [keys.cpu()(xs[0].cpu()), values.cpu()(xs[1].cpu())]
+                        if DEVICE == "cuda" else [keys(xs[0]), values(xs[1])])
+    keys.to(DEVICE), values.to(DEVICE)
+    with mock.patch.object(triton_compressor, "compress", counting):
+        got = run_both(lambda xs: compress_triton(xs, [keys.weights(), values.weights()],
+                                                  block, stride, torch.float32))
+    assert calls == [2]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5 * b.abs().max().item())
+
+
+def test_compress_all_takes_each_alone_where_shapes_differ():
+    """Compressors whose inputs differ in head dim are not batched: each runs by itself."""
+    a = Compressor(8, 8, 4, "mlp")
+    b = Compressor(6, 8, 4, "mlp")
+    xs = [torch.randn(1, 20, 2, 8), torch.randn(1, 20, 2, 6)]
+    for out, module, x in zip(compress_all([a, b], xs), (a, b), xs):
+        torch.testing.assert_close(out, module(x))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer takes the Triton form on CUDA only")

@@ -208,17 +208,15 @@ def compressed_update(dtype, compressor, D=16, block=4):
 
 
 def compressor_forward_backward(dtype, D=16, hidden=32, block=8, stride=4):
-    """The training compressor (nsa/ops/triton/compressor.py) forward and backward; computed
-    in ``dtype`` from float32 weights, as under autocast."""
+    """The training compressors (nsa/ops/triton/compressor.py) forward and backward, a layer's
+    two in one launch; computed in ``dtype`` from float32 weights, as under autocast."""
     from nsa.layers.compressor import Compressor
     from nsa.ops.triton.compressor import compress_triton
 
-    module = Compressor(D, block, stride, "mlp", hidden)
-    first, _, second = module.mlp
-    x = torch.randn(2, 40, 2, D).to(dtype).requires_grad_()
-    out = compress_triton(x, module.position, first.weight, first.bias, second.weight,
-                          second.bias, block, stride, dtype)
-    out.float().sum().backward()
+    modules = [Compressor(D, block, stride, "mlp", hidden) for _ in range(2)]
+    xs = [torch.randn(2, 40, 2, D).to(dtype).requires_grad_() for _ in modules]
+    outs = compress_triton(xs, [m.weights() for m in modules], block, stride, dtype)
+    sum(out.float().sum() for out in outs).backward()
 
 
 def in_chunks(work):

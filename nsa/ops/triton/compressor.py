@@ -6,9 +6,14 @@ The PyTorch form cuts the tokens into chunks of d (a copy), multiplies them by W
 block's c = l / d chunk products, adds the position embedding's share and b1, applies the GELU
 and the second layer: at m7c-125m's shape about 12 kernels forward and 25 backward per
 compressor, ~3 ms of a training step's GPU time for its 24 compressors, and ~60 host operators
-each (bench/NOTES.md, fortieth session). Here, with x [B, T, H, D] (any strides, the last 1),
-block i = tokens [i·d, i·d + l) plus the position embedding P [l, D], and the weights W1
-[hidden, l·D], W2 [D, hidden] in the compute dtype:
+each (bench/NOTES.md, fortieth session).
+
+A launch takes one compressor or two of one shape (slots; a layer's key and value
+compressors): each program reads its slot's input, weights and output gradient, so the two
+share each launch's grid (these kernels are short and latency-bound: a grid of both fills the
+GPU where one leaves it half idle) and one autograd node. Per compressor, with x [B, T, H, D]
+(any strides, the last 1), block i = tokens [i·d, i·d + l) plus the position embedding P [l,
+D], and the weights W1 [hidden, l·D], W2 [D, hidden] in the compute dtype:
 
 - forward, one program per (ROWS compressed tokens, sequence, KV head): the first product as a
   loop over the block's l tokens (step j: the rows' x[i·d + j] + P[j], [ROWS, D], times W1's
@@ -51,19 +56,35 @@ from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 ROWS = dict(forward=16, hidden_grad=16, input_grad=64, weight_grads=64)
 MAX_DIM, MAX_HIDDEN = 128, 256  # widest tiles (padded to powers of two) the kernels take
 WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: l x splits)
+@triton.jit
+def _slot(slot, a0, a1):
+    """a1 for programs of slot 1, else a0 (scalars or pointers)."""
+    return tl.where(slot == 1, a1, a0)
+
+
 @kernel
-def _compress_fwd_kernel(X, POSITION, W1, B1, W2, B2, OUT, PRE,
-                         stride_xb, stride_xt, stride_xh, NUM_CMP, H, HIDDEN,
+def _compress_fwd_kernel(X0, X1, P0, P1, W1_0, W1_1, B1_0, B1_1, W2_0, W2_1, B2_0, B2_1, OUT,
+                         PRE, stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
+                         stride_x1h, BH, NUM_CMP, H, HIDDEN,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
                          IEEE: tl.constexpr):
-    """OUT [B, NUM_CMP, H, D] and PRE [B, NUM_CMP, H, HIDDEN] (float32, the pre-activation) of
-    ROWS compressed tokens of sequence b, KV head h (module docstring); W1, W2 and OUT in the
-    compute dtype."""
+    """OUT [S, B, NUM_CMP, H, D] and PRE [S, B, NUM_CMP, H, HIDDEN] (float32, the
+    pre-activation) of ROWS compressed tokens of slot s (compressor s: its input Xs and weights
+    Ps, W1_s, ...), sequence b, KV head h: program axis 1 is (s·B + b)·H + h (module
+    docstring); W1, W2 and OUT in the compute dtype."""
     COMPUTE = OUT.dtype.element_ty
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    pid = tl.program_id(1)
+    slot = pid // BH
+    b = ((pid % BH) // H).to(tl.int64)
+    h = pid % H
+    X = _slot(slot, X0, X1)
+    POSITION = _slot(slot, P0, P1)
+    W1 = _slot(slot, W1_0, W1_1)
+    W2 = _slot(slot, W2_0, W2_1)
+    stride_xb = _slot(slot, stride_x0b, stride_x1b)
+    stride_xt = _slot(slot, stride_x0t, stride_x1t)
+    stride_xh = _slot(slot, stride_x0h, stride_x1h)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i_ok = i < NUM_CMP
     e = tl.arange(0, BLOCK_D)
@@ -80,23 +101,27 @@ def _compress_fwd_kernel(X, POSITION, W1, B1, W2, B2, OUT, PRE,
         p = tl.load(POSITION + j * D + e, mask=e_ok, other=0.0)
         block = (x.to(tl.float32) + p.to(tl.float32)[None, :]).to(COMPUTE)
         pre += dot(block, tl.load(w1_token + j * D, mask=w_mask, other=0.0), IEEE)
-    pre += tl.load(B1 + n, mask=n_ok, other=0.0).to(COMPUTE).to(tl.float32)[None, :]
-    rows = (b * NUM_CMP + i) * H + h  # rows of [B, NUM_CMP, H]
+    b1 = tl.load(_slot(slot, B1_0, B1_1) + n, mask=n_ok, other=0.0)
+    pre += b1.to(COMPUTE).to(tl.float32)[None, :]
+    rows = ((slot * (BH // H) + b) * NUM_CMP + i) * H + h  # rows of [S, B, NUM_CMP, H]
     tl.store(PRE + rows[:, None] * HIDDEN + n[None, :], pre, mask=i_ok[:, None] & n_ok[None, :])
     w2 = tl.load(W2 + e[None, :] * HIDDEN + n[:, None], mask=n_ok[:, None] & e_ok[None, :],
                  other=0.0)  # [BLOCK_HID, BLOCK_D]: W2^T
     out = dot(gelu(pre).to(COMPUTE), w2, IEEE)
-    out += tl.load(B2 + e, mask=e_ok, other=0.0).to(COMPUTE).to(tl.float32)[None, :]
+    b2 = tl.load(_slot(slot, B2_0, B2_1) + e, mask=e_ok, other=0.0)
+    out += b2.to(COMPUTE).to(tl.float32)[None, :]
     tl.store(OUT + rows[:, None] * D + e[None, :], out.to(COMPUTE), mask=x_mask)
 
 
 @kernel
-def _hidden_grad_kernel(DY, PRE, W2, DH, N, HIDDEN,
+def _hidden_grad_kernel(DY0, DY1, PRE, W2_0, W2_1, DH, N, HIDDEN,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr,
                         ROWS: tl.constexpr, IEEE: tl.constexpr):
-    """DH = (DY W2) · GELU'(PRE) [N, HIDDEN] for ROWS of the N rows of DY [N, D] and PRE [N,
-    HIDDEN] (float32); DY, W2 and DH in the compute dtype."""
+    """DH[s] = (DYs W2_s) · GELU'(PRE[s]) [N, HIDDEN] for ROWS of the N rows of slot s =
+    program axis 1 (DYs [N, D]; PRE [S, N, HIDDEN] float32); DY, W2 and DH in the compute
+    dtype."""
     COMPUTE = DH.dtype.element_ty
+    slot = tl.program_id(1)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     r_ok = r < N
     e = tl.arange(0, BLOCK_D)
@@ -104,29 +129,35 @@ def _hidden_grad_kernel(DY, PRE, W2, DH, N, HIDDEN,
     n = tl.arange(0, BLOCK_HID)
     n_ok = n < HIDDEN
     hid_mask = r_ok[:, None] & n_ok[None, :]
-    dy = tl.load(DY + r[:, None] * D + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
-    w2 = tl.load(W2 + e[:, None] * HIDDEN + n[None, :], mask=e_ok[:, None] & n_ok[None, :],
-                 other=0.0)  # [BLOCK_D, BLOCK_HID]
-    pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :], mask=hid_mask, other=0.0)
+    dy = tl.load(_slot(slot, DY0, DY1) + r[:, None] * D + e[None, :],
+                 mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+    w2 = tl.load(_slot(slot, W2_0, W2_1) + e[:, None] * HIDDEN + n[None, :],
+                 mask=e_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_HID]
+    hidden_rows = (slot * N + r)[:, None] * HIDDEN + n[None, :]
+    pre = tl.load(PRE + hidden_rows, mask=hid_mask, other=0.0)
     d_act = dot(dy, w2, IEEE).to(COMPUTE).to(tl.float32)
-    tl.store(DH + r[:, None] * HIDDEN + n[None, :], (d_act * gelu_grad(pre)).to(COMPUTE),
-             mask=hid_mask)
+    tl.store(DH + hidden_rows, (d_act * gelu_grad(pre)).to(COMPUTE), mask=hid_mask)
 
 
 @kernel
-def _input_grad_kernel(DH, W1, DX, stride_xb, stride_xt, stride_xh, T, NUM_CMP, H, HIDDEN,
+def _input_grad_kernel(DH, W1_0, W1_1, DX0, DX1, stride_x0b, stride_x0t, stride_x0h,
+                       stride_x1b, stride_x1t, stride_x1h, BH, T, NUM_CMP, H, HIDDEN,
                        CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
                        IEEE: tl.constexpr):
-    """DX [B, T, H, D] at tokens t = m·CMP_STRIDE + r of ROWS chunks m (program axis 0),
-    residue r (axis 1), sequence b and KV head h (axis 2): Σ over the blocks i = m - k (k <
-    CMP_BLOCK / CMP_STRIDE) that hold t as their token j = r + k·CMP_STRIDE of DH[b, i, h]
-    [HIDDEN] times W1's columns of token j (DH and W1 in the compute dtype)."""
+    """DXs [B, T, H, D] at tokens t = m·CMP_STRIDE + r of ROWS chunks m (program axis 0),
+    residue r (axis 1), slot s, sequence b and KV head h (axis 2: (s·B + b)·H + h): Σ over
+    the blocks i = m - k (k < CMP_BLOCK / CMP_STRIDE) that hold t as their token j = r +
+    k·CMP_STRIDE of DH[s, b, i, h] [HIDDEN] times W1_s's columns of token j (DH and W1 in the
+    compute dtype)."""
     m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     residue = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
+    pid = tl.program_id(2)
+    slot = pid // BH
+    sb = (pid // H).to(tl.int64)  # s·B + b
+    b = sb % (BH // H)
+    h = pid % H
+    W1 = _slot(slot, W1_0, W1_1)
     t = m * CMP_STRIDE + residue
     t_ok = t < T
     e = tl.arange(0, BLOCK_D)
@@ -137,15 +168,18 @@ def _input_grad_kernel(DH, W1, DX, stride_xb, stride_xt, stride_xh, T, NUM_CMP, 
     for k in range(CMP_BLOCK // CMP_STRIDE):
         i = m - k
         ok = t_ok & (i >= 0) & (i < NUM_CMP)
-        rows = (b * NUM_CMP + i) * H + h
+        rows = (sb * NUM_CMP + i) * H + h
         dh = tl.load(DH + rows[:, None] * HIDDEN + n[None, :], mask=ok[:, None] & n_ok[None, :],
                      other=0.0)
         token = residue + k * CMP_STRIDE
         w1 = tl.load(W1 + n[:, None] * (CMP_BLOCK * D) + token * D + e[None, :],
                      mask=n_ok[:, None] & e_ok[None, :], other=0.0)
         acc += dot(dh, w1, IEEE)
-    dx_rows = DX + b * stride_xb + h * stride_xh + t.to(tl.int64) * stride_xt
-    tl.store(dx_rows[:, None] + e[None, :], acc.to(DX.dtype.element_ty),
+    stride_xb = _slot(slot, stride_x0b, stride_x1b)
+    stride_xt = _slot(slot, stride_x0t, stride_x1t)
+    stride_xh = _slot(slot, stride_x0h, stride_x1h)
+    dx_rows = _slot(slot, DX0, DX1) + b * stride_xb + h * stride_xh + t.to(tl.int64) * stride_xt
+    tl.store(dx_rows[:, None] + e[None, :], acc.to(DX0.dtype.element_ty),
              mask=t_ok[:, None] & e_ok[None, :])
 
 
@@ -158,26 +192,34 @@ def _split_rows(start, end, NUM_CMP, H, ROWS: tl.constexpr):
 
 
 @kernel
-def _weight_grads_kernel(DH, DY, PRE, X, POSITION, W1, PARTIAL,
-                         stride_xb, stride_xt, stride_xh, stride_ps, N, NUM_CMP, H, HIDDEN,
+def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
+                         stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
+                         stride_x1h, stride_ps, N, NUM_CMP, H, HIDDEN,
                          SPLIT_ROWS, W2_AT, POSITION_AT, B1_AT, B2_AT,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
                          IEEE: tl.constexpr):
-    """Row s = program axis 1 of PARTIAL (float32, row stride stride_ps): the sums over split
-    s's rows (SPLIT_ROWS of the N rows of [B, NUM_CMP, H], a multiple of ROWS) of W1's
-    gradient at its columns of block token j = program axis 0 ([HIDDEN, CMP_BLOCK·D] from
-    column 0) and of P[j]'s (at POSITION_AT + j·D); programs j = 0 also write W2's ([D,
-    HIDDEN] at W2_AT), b1's (at B1_AT) and b2's (at B2_AT). DH, DY and W1 in the compute
-    dtype, PRE float32 (module docstring)."""
+    """Row s·splits + k of PARTIAL (float32, row stride stride_ps), for slot s = program axis
+    2 and split k = axis 1: the sums over split k's rows (SPLIT_ROWS of the N rows of [B,
+    NUM_CMP, H], a multiple of ROWS) of slot s's W1 gradient at its columns of block token j =
+    program axis 0 ([HIDDEN, CMP_BLOCK·D] from column 0) and of P[j]'s (at POSITION_AT +
+    j·D); programs j = 0 also write W2's ([D, HIDDEN] at W2_AT), b1's (at B1_AT) and b2's (at
+    B2_AT). DH [S, N, HIDDEN], DY and W1 in the compute dtype, PRE [S, N, HIDDEN] float32
+    (module docstring)."""
     COMPUTE = DH.dtype.element_ty
     j = tl.program_id(0)
     split = tl.program_id(1)
+    slot = tl.program_id(2)
+    X = _slot(slot, X0, X1)
+    stride_xb = _slot(slot, stride_x0b, stride_x1b)
+    stride_xt = _slot(slot, stride_x0t, stride_x1t)
+    stride_xh = _slot(slot, stride_x0h, stride_x1h)
+    DH = DH + slot.to(tl.int64) * N * HIDDEN
     e = tl.arange(0, BLOCK_D)
     e_ok = e < D
     n = tl.arange(0, BLOCK_HID)
     n_ok = n < HIDDEN
-    p = tl.load(POSITION + j * D + e, mask=e_ok, other=0.0).to(tl.float32)
+    p = tl.load(_slot(slot, P0, P1) + j * D + e, mask=e_ok, other=0.0).to(tl.float32)
     first = split * SPLIT_ROWS
     end = tl.minimum(N, first + SPLIT_ROWS)
     acc = tl.zeros([BLOCK_HID, BLOCK_D], tl.float32)
@@ -191,14 +233,17 @@ def _weight_grads_kernel(DH, DY, PRE, X, POSITION, W1, PARTIAL,
         block = tl.where(r_ok[:, None], x.to(tl.float32) + p[None, :], 0.0).to(COMPUTE)
         acc += dot(tl.trans(dh), block, IEEE)
         dh_sum += tl.sum(dh.to(tl.float32), axis=0)
-    row = PARTIAL + split.to(tl.int64) * stride_ps
+    row = PARTIAL + (slot * tl.num_programs(1) + split).to(tl.int64) * stride_ps
     w_mask = n_ok[:, None] & e_ok[None, :]
     tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], acc, mask=w_mask)
-    w1 = tl.load(W1 + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], mask=w_mask, other=0.0)
+    w1 = tl.load(_slot(slot, W1_0, W1_1) + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :],
+                 mask=w_mask, other=0.0)
     tl.store(row + POSITION_AT + j * D + e, tl.sum(dh_sum[:, None] * w1.to(tl.float32), axis=0),
              mask=e_ok)
     if j == 0:
         tl.store(row + B1_AT + n, dh_sum, mask=n_ok)
+        DY = _slot(slot, DY0, DY1)
+        PRE = PRE + slot.to(tl.int64) * N * HIDDEN
         acc_w2 = tl.zeros([BLOCK_D, BLOCK_HID], tl.float32)
         dy_sum = tl.zeros([BLOCK_D], tl.float32)
         for start in range(first, end, ROWS):
@@ -231,24 +276,34 @@ def _meta(kind: str, D: int, hidden: int, compute_dtype: torch.dtype) -> dict:
                 IEEE=compute_dtype == torch.float32, num_warps=8 if wide else 4)
 
 
-def compress(x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
-             w2: torch.Tensor, b2: torch.Tensor, cmp_block: int,
+SLOT_WEIGHTS = 5  # per compressor: position, w1, b1, w2, b2
+
+
+def _pair(tensors):
+    """(slot 0's, slot 1's) of one or two slots' tensors (one slot: its own twice, unread)."""
+    return tensors[0], tensors[-1]
+
+
+def compress(xs: list[torch.Tensor], weights: list[torch.Tensor], cmp_block: int,
              cmp_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, T, H, D] (T >= cmp_block) -> (out [B, Tc, H, D], the pre-activation [B, Tc, H,
-    hidden] float32) of the MLP compressor with the position embedding ``position`` [l, D] and
-    layers (w1 [hidden, l·D], b1), (w2 [D, hidden], b2), computed in w1's dtype (w2's too;
+    """The MLP compressors of one or two slots (MAX_SLOTS) in one launch: xs [B, T, H, D] of
+    one shape (T >= cmp_block) and ``weights`` each slot's position embedding [l, D] and
+    layers (w1 [hidden, l·D], b1), (w2 [D, hidden], b2), flattened -> (out [S, B, Tc, H, D],
+    the pre-activation [S, B, Tc, H, hidden] float32), computed in w1's dtype (w2's too;
     out's)."""
-    B, T, H, D = x.shape
-    hidden = w1.shape[0]
+    S = len(xs)
+    B, T, H, D = xs[0].shape
+    position, w1, b1, w2, b2 = (_pair([t.contiguous() for t in weights[k::SLOT_WEIGHTS]])
+                                for k in range(SLOT_WEIGHTS))
+    hidden = w1[0].shape[0]
     Tc = compressed_length(T, cmp_block, cmp_stride)
-    x = unit_stride(x)
-    out = torch.empty(B, Tc, H, D, dtype=w1.dtype, device=x.device)
-    pre = torch.empty(B, Tc, H, hidden, dtype=torch.float32, device=x.device)
-    meta = _meta("forward", D, hidden, w1.dtype)
-    _compress_fwd_kernel[(cdiv(Tc, meta["ROWS"]), B * H)](
-        x, position.contiguous(), w1.contiguous(), b1.contiguous(), w2.contiguous(),
-        b2.contiguous(), out, pre, *x.stride()[:3], Tc, H, hidden, CMP_BLOCK=cmp_block,
-        CMP_STRIDE=cmp_stride, **meta)
+    x = _pair([unit_stride(x) for x in xs])
+    out = torch.empty(S, B, Tc, H, D, dtype=w1[0].dtype, device=x[0].device)
+    pre = torch.empty(S, B, Tc, H, hidden, dtype=torch.float32, device=x[0].device)
+    meta = _meta("forward", D, hidden, w1[0].dtype)
+    _compress_fwd_kernel[(cdiv(Tc, meta["ROWS"]), S * B * H)](
+        *x, *position, *w1, *b1, *w2, *b2, out, pre, *x[0].stride()[:3], *x[1].stride()[:3],
+        B * H, Tc, H, hidden, CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
     return out, pre
 
 
@@ -258,43 +313,47 @@ def _weight_grad_sizes(cmp_block: int, D: int, hidden: int) -> tuple[int, ...]:
     return hidden * cmp_block * D, D * hidden, cmp_block * D, hidden, D
 
 
-def compress_backward(grad: torch.Tensor, x: torch.Tensor, pre: torch.Tensor,
-                      position: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                      cmp_block: int, cmp_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x's gradient, in x's dtype; the weights' gradients in one float32 vector, split by
-    :func:`split_weight_grads`) of :func:`compress` given its output's gradient ``grad`` [B,
-    Tc, H, D] (in w1's dtype)."""
-    B, T, H, D = x.shape
-    Tc, hidden = pre.shape[1], pre.shape[3]
-    x, w1, w2, position = (unit_stride(x), w1.contiguous(), w2.contiguous(),
-                           position.contiguous())
-    grad = grad.to(w1.dtype).contiguous()
+def compress_backward(grads: list[torch.Tensor], xs: list[torch.Tensor], pre: torch.Tensor,
+                      weights: list[torch.Tensor], cmp_block: int,
+                      cmp_stride: int) -> list[torch.Tensor]:
+    """[each slot's x gradient (in x's dtype), ..., the weights' gradients float32 [S, C]
+    (split by :func:`split_weight_grads`)] of :func:`compress` given its output's gradients
+    ``grads`` (one [B, Tc, H, D] per slot, in w1's dtype); ``weights``: each slot's position
+    embedding, w1 and w2, flattened."""
+    S = len(xs)
+    B, T, H, D = xs[0].shape
+    Tc, hidden = pre.shape[2], pre.shape[4]
+    position, w1, w2 = (_pair([t.contiguous() for t in weights[k::3]]) for k in range(3))
+    x = _pair([unit_stride(x) for x in xs])
+    dtype = w1[0].dtype
+    dy = _pair([g.to(dtype).contiguous() for g in grads])
     N = B * Tc * H
-    meta = _meta("hidden_grad", D, hidden, w1.dtype)
-    dh = torch.empty(N, hidden, dtype=w1.dtype, device=x.device)
-    _hidden_grad_kernel[(cdiv(N, meta["ROWS"]),)](grad, pre, w2, dh, N, hidden, **meta)
-    dx = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-    meta = _meta("input_grad", D, hidden, w1.dtype)
-    _input_grad_kernel[(cdiv(cdiv(T, cmp_stride), meta["ROWS"]), cmp_stride, B * H)](
-        dh, w1, dx, *dx.stride()[:3], T, Tc, H, hidden, CMP_BLOCK=cmp_block,
-        CMP_STRIDE=cmp_stride, **meta)
-    meta = _meta("weight_grads", D, hidden, w1.dtype)
+    meta = _meta("hidden_grad", D, hidden, dtype)
+    dh = torch.empty(S, N, hidden, dtype=dtype, device=x[0].device)
+    _hidden_grad_kernel[(cdiv(N, meta["ROWS"]), S)](*dy, pre, *w2, dh, N, hidden, **meta)
+    dxs = [torch.empty(B, T, H, D, dtype=x.dtype, device=x.device) for x in xs]
+    dx = _pair(dxs)
+    meta = _meta("input_grad", D, hidden, dtype)
+    _input_grad_kernel[(cdiv(cdiv(T, cmp_stride), meta["ROWS"]), cmp_stride, S * B * H)](
+        dh, *w1, *dx, *dx[0].stride()[:3], *dx[1].stride()[:3], B * H, T, Tc, H, hidden,
+        CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
+    meta = _meta("weight_grads", D, hidden, dtype)
     row_tiles = cdiv(N, meta["ROWS"])
     splits = min(WEIGHT_SPLITS, row_tiles)
-    sizes = _weight_grad_sizes(cmp_block, D, hidden)  # one row per split
+    sizes = _weight_grad_sizes(cmp_block, D, hidden)  # one row per (slot, split)
     at = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    partial = torch.empty(splits, at[-1], dtype=torch.float32, device=x.device)
-    _weight_grads_kernel[(cmp_block, splits)](
-        dh, grad, pre, x, position, w1, partial, *x.stride()[:3], partial.stride(0), N, Tc, H,
-        hidden, cdiv(row_tiles, splits) * meta["ROWS"], at[1], at[2], at[3], at[4],
-        CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
-    return dx, partial.sum(0)
+    partial = torch.empty(S, splits, at[-1], dtype=torch.float32, device=x[0].device)
+    _weight_grads_kernel[(cmp_block, splits, S)](
+        dh, *dy, pre, *x, *position, *w1, partial, *x[0].stride()[:3], *x[1].stride()[:3],
+        partial.stride(1), N, Tc, H, hidden, cdiv(row_tiles, splits) * meta["ROWS"], at[1],
+        at[2], at[3], at[4], CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
+    return [*dxs, partial.sum(1)]
 
 
 def split_weight_grads(sums: torch.Tensor, cmp_block: int, D: int,
                        hidden: int) -> tuple[torch.Tensor, ...]:
-    """The gradients of P, W1, b1, W2 and b2 (views) from :func:`compress_backward`'s
-    vector."""
+    """The gradients of P, W1, b1, W2 and b2 (views) from one slot's row of
+    :func:`compress_backward`'s weight gradients."""
     sizes = _weight_grad_sizes(cmp_block, D, hidden)
     dw1, dw2, d_position, db1, db2 = sums.split(sizes)
     return (d_position.view(cmp_block, D), dw1.view(hidden, cmp_block * D), db1,
@@ -307,48 +366,63 @@ compress_backward_op = torch.library.custom_op("nsa::compress_backward", compres
 
 
 @compress_op.register_fake
-def _(x, position, w1, b1, w2, b2, cmp_block, cmp_stride):
-    B, T, H, D = x.shape
+def _(xs, weights, cmp_block, cmp_stride):
+    B, T, H, D = xs[0].shape
     Tc = compressed_length(T, cmp_block, cmp_stride)
-    return (x.new_empty(B, Tc, H, D, dtype=w1.dtype),
-            x.new_empty(B, Tc, H, w1.shape[0], dtype=torch.float32))
+    w1 = weights[1]
+    return (xs[0].new_empty(len(xs), B, Tc, H, D, dtype=w1.dtype),
+            xs[0].new_empty(len(xs), B, Tc, H, w1.shape[0], dtype=torch.float32))
 
 
 @compress_backward_op.register_fake
-def _(grad, x, pre, position, w1, w2, cmp_block, cmp_stride):
-    size = sum(_weight_grad_sizes(cmp_block, x.shape[3], w1.shape[0]))
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            x.new_empty(size, dtype=torch.float32))
+def _(grads, xs, pre, weights, cmp_block, cmp_stride):
+    size = sum(_weight_grad_sizes(cmp_block, xs[0].shape[3], weights[1].shape[0]))
+    return [*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs),
+            xs[0].new_empty(len(xs), size, dtype=torch.float32)]
 
 
 class _CompressFunction(torch.autograd.Function):
     """:func:`compress` forward (one launch, after the weights' casts to the compute dtype)
-    and :func:`compress_backward` (three launches and one sum)."""
+    and :func:`compress_backward` (three launches and one sum), for one or two slots."""
 
     @staticmethod
-    def forward(ctx, x, position, w1, b1, w2, b2, cmp_block, cmp_stride, compute_dtype):
-        w1_c, w2_c = w1.to(compute_dtype), w2.to(compute_dtype)
-        out, pre = call_op(compress_op, compress, x, position, w1_c, b1, w2_c, b2, cmp_block,
-                           cmp_stride)
-        ctx.save_for_backward(x, pre, position, w1_c, w2_c)
-        ctx.blocks = (cmp_block, cmp_stride)
-        ctx.dtypes = (position.dtype, w1.dtype, b1.dtype, w2.dtype, b2.dtype)
-        return out
+    def forward(ctx, cmp_block, cmp_stride, compute_dtype, count, *tensors):
+        xs, weights = list(tensors[:count]), tensors[count:]
+        cast = [w.to(compute_dtype) if k % SLOT_WEIGHTS in (1, 3) else w
+                for k, w in enumerate(weights)]
+        out, pre = call_op(compress_op, compress, xs, cast, cmp_block, cmp_stride)
+        kept = [w for k, w in enumerate(cast) if k % SLOT_WEIGHTS in (0, 1, 3)]
+        ctx.save_for_backward(pre, *xs, *kept)
+        ctx.meta = (cmp_block, cmp_stride, count)
+        ctx.dtypes = [w.dtype for w in weights]
+        return tuple(out.unbind(0))
 
     @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each only once
-        x, _, _, w1, _ = saved
-        dx, sums = call_op(compress_backward_op, compress_backward, grad, *saved, *ctx.blocks)
-        grads = split_weight_grads(sums, ctx.blocks[0], x.shape[3], w1.shape[0])
-        return (dx, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None)
+    def backward(ctx, *grads):
+        cmp_block, cmp_stride, count = ctx.meta
+        pre, *saved = ctx.saved_tensors  # once: activation checkpointing unpacks each once
+        xs, kept = saved[:count], saved[count:]
+        *dxs, sums = call_op(compress_backward_op, compress_backward, list(grads), xs, pre,
+                             kept, cmp_block, cmp_stride)
+        D, hidden = xs[0].shape[3], kept[1].shape[0]
+        weight_grads = [g for row in sums for g in split_weight_grads(row, cmp_block, D, hidden)]
+        return (None, None, None, None, *dxs,
+                *(g.to(dtype) for g, dtype in zip(weight_grads, ctx.dtypes)))
 
 
-def compress_triton(x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor,
-                    b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, cmp_block: int,
-                    cmp_stride: int, compute_dtype: torch.dtype) -> torch.Tensor:
-    """The MLP compressor's output [B, Tc, H, D] (``compute_dtype``) of x [B, T, H, D], T >=
-    cmp_block, cmp_stride dividing cmp_block: one autograd node, one launch forward and three
-    backward (module docstring)."""
-    return _CompressFunction.apply(x, position, w1, b1, w2, b2, cmp_block, cmp_stride,
-                                   compute_dtype)
+MAX_SLOTS = 2  # compressors one launch takes (a layer's keys' and values')
+
+
+def compress_triton(xs: list[torch.Tensor], weights: list[tuple[torch.Tensor, ...]],
+                    cmp_block: int, cmp_stride: int,
+                    compute_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The MLP compressors' outputs [B, Tc, H, D] (``compute_dtype``) of 1 or MAX_SLOTS
+    inputs xs [B, T, H, D] of one shape and dtype (T >= cmp_block, cmp_stride dividing
+    cmp_block), compressor k's ``weights[k]`` (position [l, D], w1 [hidden, l·D], b1, w2 [D,
+    hidden], b2; one shape for all): one autograd node, one launch forward and three backward
+    (module docstring)."""
+    if not 1 <= len(xs) <= MAX_SLOTS or len(weights) != len(xs):
+        raise ValueError(f"compress_triton takes 1 to {MAX_SLOTS} inputs and their weights, got "
+                         f"{len(xs)} and {len(weights)}")
+    return _CompressFunction.apply(cmp_block, cmp_stride, compute_dtype, len(xs), *xs,
+                                   *(w for slot in weights for w in slot))

@@ -100,7 +100,8 @@ def call_op(op, impl, *args):
     tensors: the op's fake implementation gives the shapes); directly otherwise, for real
     tensors in eager mode: the dispatcher's path into a Python op costs the host 0.03-0.4 ms
     per call on the GPU machine, more than a kernel launch (bench/NOTES.md, v20)."""
-    tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    tensor = next(t for a in args for t in (a if isinstance(a, list) else [a])
+                  if isinstance(t, torch.Tensor))  # the first, also inside a list argument
     if torch.compiler.is_compiling() or tensor.is_meta or is_fake(tensor):
         return op(*args)
     return impl(*args)
