@@ -4,12 +4,12 @@ forward+backward: the Triton kernels (nsa/ops/triton/compressor.py) taking both 
 same run, each kernel listed.
 
     python bench/compressor.py                          # m7c-125m's: 8 x 2048, 2 heads, D 64
-    python bench/compressor.py --rows 16,32,64 --json out.json
+    python bench/compressor.py --rows 16,32,64 --splits 4,8,16 --json out.json
 
 The inputs are strided views of a projection as the layer passes them (three K/V sets of H
 heads: the first set's keys and values); weights in float32 under bf16 autocast, as in
-training. ``--rows``
-also times each Triton kernel with each of the given rows per program (the others as shipped).
+training. ``--rows`` also times each Triton kernel with each of the given rows per program
+(the others as shipped), ``--splits`` the weights' gradients with each number of row splits.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def main(argv=None):
     parser.add_argument("--stride", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=None, help="default 2 x dim")
     parser.add_argument("--rows", default="", help="rows per program to sweep, e.g. 16,32,64")
+    parser.add_argument("--splits", default="",
+                        help="row splits of the weights' gradients to sweep, e.g. 4,8,16")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,6 +106,16 @@ def main(argv=None):
             sweep.append(dict(kernel=kind, rows=rows, ms=ms, shipped=rows == shipped[kind]))
             print(f"{kind:13s} rows {rows:4d}: {ms * 1e3:.1f} µs")
         triton_compressor.ROWS[kind] = shipped[kind]
+    shipped_splits = triton_compressor.WEIGHT_SPLITS
+    for splits in (int(k) for k in args.splits.split(",") if k):
+        triton_compressor.WEIGHT_SPLITS = splits
+        kernels = kernel_ms(forward_backward, CALLS, torch.device("cuda"))
+        ms, total = kernels.get(KERNELS["weight_grads"], 0.0), sum(kernels.values())
+        sweep.append(dict(kernel="weight_grads", splits=splits, ms=ms, fwd_bwd_ms=total,
+                          shipped=splits == shipped_splits))
+        print(f"weight_grads  splits {splits:3d}: {ms * 1e3:.1f} µs (forward+backward "
+              f"{total * 1e3:.1f} µs)")
+    triton_compressor.WEIGHT_SPLITS = shipped_splits
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     command="python bench/compressor.py " + " ".join(argv or sys.argv[1:]))
