@@ -25,8 +25,7 @@ D], and the weights W1 [hidden, l·D], W2 [D, hidden] in the compute dtype:
      t = m·d + r is token j = r + k·d of block m - k for k < c, so dx[t] = Σ_k dh[m - k] times
      W1's columns of token j. Every token is written (0 where no block holds it).
   3. ``_weight_grads_kernel``, per (block token j, split of the rows): W1's columns of token j
-     get Σ dh^T x[i·d + j] over the split's (sequence, block, head) rows (both operands
-     straight from memory) plus (Σ dh) P[j] after the loop, and P[j]
+     get Σ dh^T (x[i·d + j] + P[j]) over the split's (sequence, block, head) rows, and P[j]
      (Σ dh) times those columns; the programs of j = 0 also sum the split's dy^T GELU(pre)
      (W2's), dh (b1's) and dy (b2's). Each split writes its float32 partials to its row of one
      buffer, whose rows one PyTorch sum adds up in order.
@@ -52,10 +51,11 @@ from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 # measured on a layer's pair at m7c-125m's shape (H200, `bench/compressor.py --rows 32,64,128
 # --splits 2,4,8,16`; rows 16 from the run before: forward 22.3 / 20.0 / 22.0 / 47.3 µs at 16 /
 # 32 / 64 / 128, hidden gradient 3.3 / 4.0 / 6.1 / 25.9, input gradient - / 19.5 / 13.8 /
-# 16.6, weight gradients - / 54.1 / 47.2 / 66.5 at 8 splits (2 / 4 / 8 / 16 splits: 91.4 /
-# 61.6 / 46.7 / 47.3); bench/NOTES.md, forty-first session). Where the hidden width exceeds
-# 128 every kernel takes half as many (at least 16) with 8 warps: their tiles of rows x
-# hidden (and the weights') spill otherwise (offline sm_90).
+# 16.6; the weight gradients - / 54.1 / 47.2 / 66.5 at 8 splits and 91.4 / 61.6 / 46.7 / 47.3
+# at 2 / 4 / 8 / 16 splits of 64 rows, measured with x loaded straight into the product, a
+# variant not kept: its cp.async ring raced, offline; bench/NOTES.md, forty-first session).
+# Where the hidden width exceeds 128 every kernel takes half as many (at least 16) with 8
+# warps: their tiles of rows x hidden (and the weights') spill otherwise (offline sm_90).
 ROWS = dict(forward=32, hidden_grad=16, input_grad=64, weight_grads=64)
 MAX_DIM, MAX_HIDDEN = 128, 256  # widest tiles (padded to powers of two) the kernels take
 WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: l x splits x slots)
@@ -235,12 +235,12 @@ def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
                      other=0.0)
         x_rows = X + b * stride_xb + h * stride_xh + (i * CMP_STRIDE + j).to(tl.int64) * stride_xt
         x = tl.load(x_rows[:, None] + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
-        acc += dot(tl.trans(dh), x.to(COMPUTE), IEEE)  # straight from memory: no register pass
+        block = tl.where(r_ok[:, None], x.to(tl.float32) + p[None, :], 0.0).to(COMPUTE)
+        acc += dot(tl.trans(dh), block, IEEE)
         dh_sum += tl.sum(dh.to(tl.float32), axis=0)
     row = PARTIAL + (slot * tl.num_programs(1) + split).to(tl.int64) * stride_ps
     w_mask = n_ok[:, None] & e_ok[None, :]
-    tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :],
-             acc + dh_sum[:, None] * p[None, :], mask=w_mask)  # + the rows' P[j] share
+    tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], acc, mask=w_mask)
     w1 = tl.load(_slot(slot, W1_0, W1_1) + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :],
                  mask=w_mask, other=0.0)
     tl.store(row + POSITION_AT + j * D + e, tl.sum(dh_sum[:, None] * w1.to(tl.float32), axis=0),
