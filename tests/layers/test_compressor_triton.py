@@ -180,13 +180,36 @@ def test_two_compressors_in_one_launch_equal_each_alone(small_rows):
         torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5 * b.abs().max().item())
 
 
-def test_compress_all_takes_each_alone_where_shapes_differ():
-    """Compressors whose inputs differ in head dim are not batched: each runs by itself."""
-    a = Compressor(8, 8, 4, "mlp")
-    b = Compressor(6, 8, 4, "mlp")
-    xs = [torch.randn(1, 20, 2, 8), torch.randn(1, 20, 2, 6)]
-    for out, module, x in zip(compress_all([a, b], xs), (a, b), xs):
-        torch.testing.assert_close(out, module(x))
+@pytest.mark.parametrize("dims, kinds, batches", [
+    ((8, 8), ("mlp", "mlp"), [2]),  # a layer's pair: one launch
+    ((8, 8, 8), ("mlp", "mlp", "mlp"), [2, 1]),  # at most two slots a launch
+    ((8, 6), ("mlp", "mlp"), [1, 1]),  # head dims differ: each alone
+    ((8, 8), ("mlp", "mean"), [1]),  # the mean compressor never takes the kernels
+])
+def test_compress_all_batches_compressors_of_one_shape(dims, kinds, batches):
+    """compress_all gives each compressor its own output, and hands the Triton kernels two
+    compressors at a time only where their shapes agree (the kernels' eligibility forced on,
+    so that the grouping is tested on any machine)."""
+    torch.manual_seed(0)
+    modules = [Compressor(D, 8, 4, kind).to(DEVICE) for D, kind in zip(dims, kinds)]
+    xs = [torch.randn(2, 20, 2, D, device=DEVICE) for D in dims]
+    expected = [m(x) for m, x in zip(modules, xs)]  # on a CPU: the PyTorch form
+    calls = []
+    original = triton_compressor.compress_triton
+
+    def counting(xs, *args):
+        calls.append(len(xs))
+        return original(xs, *args)
+
+    def eligible(self, x, first):
+        return torch.float32 if self.kind == "mlp" else None
+
+    with (mock.patch.object(Compressor, "triton_dtype", eligible),
+          mock.patch.object(triton_compressor, "compress_triton", counting)):
+        got = compress_all(modules, xs)
+    assert calls == batches
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer takes the Triton form on CUDA only")
