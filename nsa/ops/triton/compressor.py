@@ -10,8 +10,9 @@ each (bench/NOTES.md, fortieth session).
 
 A launch takes one compressor or two of one shape (slots; a layer's key and value
 compressors): each program reads its slot's input, weights and output gradient, so the two
-share each launch's grid (these kernels are short and latency-bound: a grid of both fills the
-GPU where one leaves it half idle) and one autograd node. Per compressor, with x [B, T, H, D]
+share each launch's grid and one autograd node. These kernels are short and latency-bound, so
+two in one grid take less than twice one's time (a layer's pair on an H200: 146 -> 100 µs
+forward+backward; bench/NOTES.md, forty-first session). Per compressor, with x [B, T, H, D]
 (any strides, the last 1), block i = tokens [i·d, i·d + l) plus the position embedding P [l,
 D], and the weights W1 [hidden, l·D], W2 [D, hidden] in the compute dtype:
 
