@@ -66,8 +66,12 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, H, D] -> [B, Tc, H, D]: a compressed token every ``stride`` tokens from 0, or,
         given ``first`` [Tc], one for each block of ``block`` tokens starting at first[i]."""
-        if self.triton_dtype(x, first) is not None:
-            return compress_all([self], [x])[0]
+        compute_dtype = self.triton_dtype(x, first)
+        if compute_dtype is not None:
+            from nsa.ops.triton.compressor import compress_triton
+
+            return compress_triton([x], [self.weights()], self.block, self.stride,
+                                   compute_dtype)[0]
         if first is None:
             blocks = compression_blocks(x, self.block, self.stride)  # [B, Tc, H, l, D]
         else:
