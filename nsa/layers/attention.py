@@ -322,18 +322,13 @@ class NSAttention(nn.Module):
         if cache.src_k.is_cuda and TRITON_AVAILABLE:
             from nsa.ops.triton.cache_compress import compress_step_triton
 
-            device = cache.src_k.device
-            mlp_dtype = (torch.get_autocast_dtype(device.type)
-                         if torch.is_autocast_enabled(device.type)
-                         else self.compress_k.mlp[0].weight.dtype if c.compressor == "mlp"
-                         else cache.src_k.dtype)
-            if mlp_dtype in TRITON_DTYPES and cache.src_k.dtype in TRITON_DTYPES:
+            sets = ((cache.src_k, self.compress_k, cache.k_cmp),
+                    (cache.src_v, self.compress_v, cache.v_cmp))
+            dtypes = [compressor.compute_dtype(ring) for ring, compressor, _ in sets]
+            if all(dtype in TRITON_DTYPES for dtype in (*dtypes, cache.src_k.dtype)):
                 rope = compressed_rope_table(num_cmp, p.cmp_block, p.cmp_stride, c.head_dim_k,
-                                             c.rope_base, device)
-                for ring, compressor, out, angles in (
-                        (cache.src_k, self.compress_k, cache.k_cmp, rope),
-                        (cache.src_v, self.compress_v, cache.v_cmp, None)):
-                    dtype = mlp_dtype if compressor.kind == "mlp" else ring.dtype
+                                             c.rope_base, cache.src_k.device)
+                for (ring, compressor, out), dtype, angles in zip(sets, dtypes, (rope, None)):
                     compress_step_triton(ring, pos, compressor, out, dtype, angles)
                 return
         start, complete = completing_block(p, pos)  # [B], [B]

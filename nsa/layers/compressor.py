@@ -87,6 +87,15 @@ class Compressor(nn.Module):
             product = F.linear(blocks.flatten(-2), first_layer.weight)
         return second_layer(activation(product + bias))
 
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype this compressor computes x in: autocast's where autocast is on for x's
+        device, else the MLP's weights'; the mean compressor computes in x's."""
+        if self.kind != "mlp":
+            return x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return self.mlp[0].weight.dtype
+
     def triton_dtype(self, x: torch.Tensor, first: torch.Tensor | None) -> torch.dtype | None:
         """The compute dtype (autocast's, or the weights') in which the Triton kernels
         (nsa/ops/triton/compressor.py) take this compressor of x [B, T, H, D]; None where they
@@ -97,12 +106,9 @@ class Compressor(nn.Module):
             return None
         from nsa.ops.triton.compressor import fits
 
-        first_layer = self.mlp[0]
-        compute_dtype = (torch.get_autocast_dtype(x.device.type)
-                         if torch.is_autocast_enabled(x.device.type)
-                         else first_layer.weight.dtype)
+        compute_dtype = self.compute_dtype(x)
         if (compute_dtype not in TRITON_DTYPES or x.dtype not in TRITON_DTYPES
-                or not fits(x.shape[-1], first_layer.out_features)):
+                or not fits(x.shape[-1], self.mlp[0].out_features)):
             return None
         return compute_dtype
 

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import dq_accumulation  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter multiplies float32 tiles in float32; a GPU in TF32 (10-bit mantissas).
+TOLERANCE = dict(cpu=1e-4, cuda=1e-2)[DEVICE]
 
 
 @pytest.mark.parametrize("mode", ["rows", "float-atomics", "int64-atomics", "ordered"])
@@ -23,6 +25,6 @@ def test_every_hand_off_gives_the_causal_dq(mode):
     q, k = (torch.randn(2, 45, 16, device=DEVICE) for _ in range(2))
     expected = dq_accumulation.reference(q, k)
     got = dq_accumulation.dq(mode, q, k, block_r=16, block_n=16)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
     if mode != "float-atomics":
         assert torch.equal(got, dq_accumulation.dq(mode, q, k, block_r=16, block_n=16))

@@ -212,6 +212,21 @@ def test_compress_all_batches_compressors_of_one_shape(dims, kinds, batches):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_compute_dtype_is_autocasts_then_the_weights():
+    """The one rule the training kernels and the decode step's update both follow: the MLP
+    computes in autocast's dtype where autocast is on for the input's device, else in its
+    weights'; the mean compressor in the input's."""
+    mlp, mean = Compressor(8, 8, 4, "mlp").to(torch.bfloat16), Compressor(8, 8, 4, "mean")
+    x = torch.randn(1, 8, 1, 8, dtype=torch.float16)
+    assert (mlp.compute_dtype(x), mean.compute_dtype(x)) == (torch.bfloat16, torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mlp.float().compute_dtype(x.float()) == torch.bfloat16
+        assert mean.compute_dtype(x) == torch.float16
+    with torch.autocast("cuda", dtype=torch.float16):  # another device's autocast: the weights'
+        assert mlp.compute_dtype(x.float()) == torch.float32
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layer takes the Triton form on CUDA only")
 def test_cuda_compressor_takes_triton_form_under_autocast():
     """On CUDA under bf16 autocast the module's forward is the Triton form (one autograd node
