@@ -54,22 +54,20 @@ def triton_function(fn):
 
 def argument_key(args) -> tuple[tuple, list]:
     """(the specialization key of a launch's positional arguments, the values its launcher
-    takes: tensors as their addresses, everything else as given)."""
-    key, values = [], []
-    for a in args:
+    takes: tensors as their addresses, everything else as given). Integers, most of the
+    arguments (sizes, strides), are their own key and value: one test each."""
+    key, values = list(args), list(args)
+    for i, a in enumerate(args):
+        if type(a) is int:
+            continue
         if isinstance(a, torch.Tensor):
             address = a.data_ptr()
-            key.append((a.dtype, address % 16 == 0))
-            values.append(address)
-        elif type(a) is int:
-            key.append(a)
-            values.append(a)
+            key[i] = (a.dtype, address % 16 == 0)
+            values[i] = address
         elif isinstance(a, TensorDescriptor):
-            key.append((a.base.dtype, tuple(a.block_shape), a.padding))
-            values.append(a)
+            key[i] = (a.base.dtype, tuple(a.block_shape), a.padding)
         else:
-            key.append(type(a))
-            values.append(a)
+            key[i] = type(a)
     return tuple(key), values
 
 
@@ -108,14 +106,16 @@ class FastKernel:
         device = driver.active.get_current_device()
         arg_key, values = argument_key(args)
         key = (device, arg_key, tuple(kwargs.items()))
-        compiled = self.compiled.get(key)
-        if compiled is None or callable(grid) or _hooked():
+        known = self.compiled.get(key)
+        if known is None or callable(grid) or _hooked():
             compiled = self.kernel[grid](*args, **kwargs)
             if len(self.compiled) >= MAX_KEYS:
                 self.compiled.clear()
-            self.compiled[key] = compiled
+            # The constexprs' values in the signature's order: the key holds the keywords.
+            self.compiled[key] = (compiled, [kwargs[n] if n in kwargs else self.defaults[n]
+                                             for n in self.constexprs])
             return
-        constants = [kwargs[n] if n in kwargs else self.defaults[n] for n in self.constexprs]
+        compiled, constants = known
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         compiled.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device),
                      compiled.function, compiled.packed_metadata, None, None, None, *values,
