@@ -25,9 +25,13 @@ SMALL = dict(cmp_block=4, cmp_stride=2, sel_block=8, num_selected=3, window=5, n
              num_local=2)
 
 
-def op_inputs(T=19, HQ=4, H=2, Dk=16, Dv=8, seed=0):
+# Blocks of 16 tokens, at most 2n of them in T = 40: the selected branch's masked kernels.
+MASKED = dict(SMALL, cmp_block=8, cmp_stride=4, sel_block=16, num_selected=3)
+
+
+def op_inputs(T=19, HQ=4, H=2, Dk=16, Dv=8, seed=0, params=SMALL):
     g = torch.Generator().manual_seed(seed)
-    Tc = nsa.compressed_length(T, SMALL["cmp_block"], SMALL["cmp_stride"])
+    Tc = nsa.compressed_length(T, params["cmp_block"], params["cmp_stride"])
     shapes = [(1, T, HQ, Dk), (1, T, H, Dk), (1, T, H, Dv), (1, Tc, H, Dk), (1, Tc, H, Dv),
               (1, T, HQ, 3), (1, T, H, Dk), (1, T, H, Dv)]
     tensors = [torch.randn(s, generator=g).to(DEVICE).requires_grad_() for s in shapes]
@@ -35,16 +39,23 @@ def op_inputs(T=19, HQ=4, H=2, Dk=16, Dv=8, seed=0):
     return tensors
 
 
-def test_attention_ops_pass_opcheck():
+@pytest.mark.parametrize("T, params, packed", [(19, SMALL, False), (40, MASKED, False),
+                                               (40, MASKED, True)],
+                         ids=["per-block", "masked", "masked-but-packed"])
+def test_attention_ops_pass_opcheck(T, params, packed):
     """Schema, fake (meta) implementations and dispatch of the forward and backward ops are
     consistent (their autograd is an autograd.Function, whose gradients the backend tests
-    compare with the reference)."""
-    inputs = [t.detach() for t in op_inputs()]
-    args = (*inputs, None, *SMALL.values(), 0.25)
+    compare with the reference), with the selection saved as the masked kernels' row masks
+    (fixed length, blocks of 16) or as block indices (otherwise)."""
+    inputs = [t.detach() for t in op_inputs(T, params=params)]
+    cu_seqlens = torch.tensor([0, 7, T], dtype=torch.int32, device=DEVICE) if packed else None
+    args = (*inputs, cu_seqlens, *params.values(), 0.25)
     torch.library.opcheck(attention_fwd_op, args)
-    out, *saved = attention_fwd_op(*args)
-    torch.library.opcheck(attention_bwd_op, (torch.randn_like(out), *inputs, *saved, None,
-                                             *SMALL.values(), 0.25))
+    out, selection, *saved = attention_fwd_op(*args)
+    masked = params is MASKED and not packed
+    assert selection.dtype == (torch.int64 if masked else torch.int32)
+    torch.library.opcheck(attention_bwd_op, (torch.randn_like(out), *inputs, selection, *saved,
+                                             cu_seqlens, *params.values(), 0.25))
 
 
 def test_select_op_passes_opcheck():

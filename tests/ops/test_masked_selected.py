@@ -279,13 +279,16 @@ def test_masked_path_is_for_short_fixed_length_batches_only():
 
 
 def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
-    """selected_forward and selected_backward dispatch on masked_causal_selection: the same
-    inputs through packed tables (one sequence: the same semantics, per-position and per-block
-    kernels) give the same outputs and gradients."""
+    """selected_forward and selected_backward dispatch on masked_causal_selection (the
+    backward reading the row masks the forward built): the same inputs through packed tables
+    (one sequence: the same semantics, per-position and per-block kernels) give the same
+    outputs and gradients."""
     (q, k, v, do), idx, params, _ = make_case(CASES[1], torch.float32)
     T = q.shape[1]
     scale = q.shape[-1] ** -0.5
     calls = []
+    monkeypatch.setattr(selected, "masked_selection",
+                        lambda *a: calls.append("bits") or masked_selection(*a))
     monkeypatch.setattr(selected, "masked_forward",
                         lambda *a: calls.append("fwd") or masked_forward(*a))
     monkeypatch.setattr(selected, "masked_dq",
@@ -296,14 +299,16 @@ def test_the_op_takes_the_masked_path_where_it_applies(monkeypatch):
     kv_finite = kv_finite_flags(((k, v),))[0]
     for cu in (None, torch.tensor([0, T], dtype=torch.int32, device=DEVICE)):
         tables = build_tables(T, params.compressed_length(T), cu, params, q.device)
-        o, lse = selected.selected_forward(q, k, v, idx, tables, params, scale, kv_finite)
+        o, lse, selection = selected.selected_forward(q, k, v, idx, tables, params, scale,
+                                                      kv_finite)
         delta = (do * o).sum(-1)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = selected.selected_backward(q, k, v, idx, BranchGrad.ungated(do), lse, delta,
-                                            dq, tables, params, scale, kv_finite,
+        dk, dv = selected.selected_backward(q, k, v, selection, BranchGrad.ungated(do), lse,
+                                            delta, dq, tables, params, scale, kv_finite,
                                             accumulate=False)
         results.append((o, lse, dq, dk, dv))
-    # The packed tables took the per-position forward and dq, and the per-block dK/dV.
-    assert calls == ["fwd", "dq", "dkdv"]
+    # The row masks built once, by the forward; the packed tables took the per-position
+    # forward and dq, and the per-block dK/dV.
+    assert calls == ["bits", "fwd", "dq", "dkdv"]
     for masked, per_position in zip(*results):
         torch.testing.assert_close(masked, per_position, rtol=1e-5, atol=1e-5)

@@ -31,15 +31,17 @@ from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
 from nsa.ops.triton.launch import BranchGrad, call_op, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
+from nsa.ops.triton.selected_masked import masked_causal_selection
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
 
 def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scale: float,
              cu_seqlens):
-    """-> (out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite); all but
-    ``out`` are what the backward reads (branch outputs in float32, log-sum-exps, selected
-    blocks, the flags of the branches' keys and values: finite.py)."""
+    """-> (out, selection, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite); all
+    but ``out`` are what the backward reads (the selected blocks as the selected backward
+    reads them: ``selected_forward``; branch outputs in float32, log-sum-exps, the flags of
+    the branches' keys and values: finite.py)."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     kv_finite = kv_finite_flags(((k_cmp, v_cmp), (k, v), (k_win, v_win)))  # [3, B, H]
     o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale,
@@ -50,13 +52,14 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scal
     # The selected branch, last, also writes the gated sum of the three: its programs end at
     # different times, so the sum's memory traffic overlaps other programs' work.
     out = torch.empty(o_cmp.shape, dtype=q.dtype, device=q.device)
-    o_slc, lse_slc = selected_forward(q, k, v, idx, tables, params, scale, kv_finite[1],
-                                      gated=GatedSum(o_cmp, o_win, gates, out))
-    return out, idx, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite
+    o_slc, lse_slc, selection = selected_forward(q, k, v, idx, tables, params, scale,
+                                                 kv_finite[1],
+                                                 gated=GatedSum(o_cmp, o_win, gates, out))
+    return out, selection, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, kv_finite
 
 
-def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, o_slc, o_win,
-              lse_cmp, lse_slc, lse_win, kv_finite, params: NSAParams, scale: float,
+def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o_cmp, o_slc,
+              o_win, lse_cmp, lse_slc, lse_win, kv_finite, params: NSAParams, scale: float,
               cu_seqlens):
     """-> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), in their dtypes."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
@@ -68,7 +71,7 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, idx, o_cmp, 
     # window branches' and writes the total in q's dtype (no zero fill, no cast), into a dq
     # allocated only then: not held through the selected branch's partials.
     dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = selected_backward(q, k, v, idx, slc_grad, lse_slc, delta[1], dq_sum, tables,
+    dk, dv = selected_backward(q, k, v, selection, slc_grad, lse_slc, delta[1], dq_sum, tables,
                                params, scale, kv_finite[1], accumulate=False)
     dq = torch.empty_like(q)
     branches_dq(q, grad_out, DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0]),
@@ -117,16 +120,21 @@ def _(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, cu_seqlens, cmp_block, cmp_str
     H, Dv = k.shape[2], v.shape[3]
     branch_out = q.new_empty(B, T, HQ, Dv, dtype=torch.float32)
     lse = q.new_empty(B, T, HQ, dtype=torch.float32)
-    idx = q.new_empty(B, T, H, num_selected, dtype=torch.int32)
+    params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
+                       num_local)
+    # The selection as the selected backward reads it (selected_forward).
+    selection = (q.new_empty(B, T, H, dtype=torch.int64)
+                 if masked_causal_selection(T, params, cu_seqlens is not None)
+                 else q.new_empty(B, T, H, num_selected, dtype=torch.int32))
     kv_finite = q.new_empty(3, B, H, dtype=torch.int8)
-    return [q.new_empty(B, T, HQ, Dv), idx, branch_out, torch.empty_like(branch_out),
+    return [q.new_empty(B, T, HQ, Dv), selection, branch_out, torch.empty_like(branch_out),
             torch.empty_like(branch_out), lse, torch.empty_like(lse), torch.empty_like(lse),
             kv_finite]
 
 
 def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
-                  k_win: torch.Tensor, v_win: torch.Tensor, idx: torch.Tensor,
+                  k_win: torch.Tensor, v_win: torch.Tensor, selection: torch.Tensor,
                   o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
                   lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor,
                   kv_finite: torch.Tensor, cu_seqlens: torch.Tensor | None, cmp_block: int,
@@ -136,8 +144,8 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     params = NSAParams(cmp_block, cmp_stride, sel_block, num_selected, window, num_init,
                        num_local)
     inputs = _kernel_inputs(q, k, v, k_cmp, v_cmp, gates, k_win, v_win)
-    return list(_backward(grad_out.contiguous(), *inputs, idx, o_cmp, o_slc, o_win, lse_cmp,
-                          lse_slc, lse_win, kv_finite, params, scale, cu_seqlens))
+    return list(_backward(grad_out.contiguous(), *inputs, selection, o_cmp, o_slc, o_win,
+                          lse_cmp, lse_slc, lse_win, kv_finite, params, scale, cu_seqlens))
 
 
 attention_bwd_op = torch.library.custom_op("nsa::attention_bwd", attention_bwd, mutates_args=())

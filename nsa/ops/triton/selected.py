@@ -49,6 +49,7 @@ from nsa.ops.triton.selected_blocks import (
     position_program,
 )
 from nsa.ops.triton.selected_masked import (
+    MaskedSelection,
     masked_causal_selection,
     masked_dkdv,
     masked_dq,
@@ -209,17 +210,19 @@ def _selected_launch(kind: str, q, k, v, params) -> dict:
 
 def selected_forward(q, k, v, idx, tables, params, scale, kv_finite,
                      gated: GatedSum | None = None):
-    """Attention over each position's selected blocks -> (o, lse2): masked causal attention
-    where ``masked_causal_selection`` says so (selected_masked.py; ``kv_finite``: the [B, H]
-    flags of k and v, finite.py), else per key block for small groups (``per_block``), else
-    per position. With ``gated`` (the branch runs last), the kernel also writes gated.out =
-    Σ g_i o_i."""
+    """Attention over each position's selected blocks -> (o, lse2, selection): masked causal
+    attention where ``masked_causal_selection`` says so (selected_masked.py; ``kv_finite``:
+    the [B, H] flags of k and v, finite.py), else per key block for small groups
+    (``per_block``), else per position. ``selection`` is the selection as the backward reads
+    it (``selected_backward``): the masked kernels' row masks [B, T, H] int64 where they ran,
+    so that the backward does not build them again, else idx. With ``gated`` (the branch runs
+    last), the kernel also writes gated.out = Σ g_i o_i."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
         selection = masked_selection(idx, kv_finite)
-        return masked_forward(q, k, v, selection, params, scale, gated)
+        return (*masked_forward(q, k, v, selection, params, scale, gated), selection.bits)
     if per_block(q.shape[2] // k.shape[2]):
-        return block_forward(q, k, v, idx, tables, params, scale, gated)
-    return position_forward(q, k, v, idx, tables, params, scale, gated)
+        return (*block_forward(q, k, v, idx, tables, params, scale, gated), idx)
+    return (*position_forward(q, k, v, idx, tables, params, scale, gated), idx)
 
 
 def position_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None = None):
@@ -238,22 +241,22 @@ def position_forward(q, k, v, idx, tables, params, scale, gated: GatedSum | None
     return o, lse
 
 
-def selected_backward(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale,
-                      kv_finite, *, accumulate=True, dq_out=None):
+def selected_backward(q, k, v, selection, grad: BranchGrad, lse, delta, dq, tables, params,
+                      scale, kv_finite, *, accumulate=True, dq_out=None):
     """This branch's dq goes into ``dq_out`` (default: ``dq``, float32), added to ``dq`` when
-    ``accumulate``; returns (dk, dv) in the dtypes of k and v. ``kv_finite`` as in the
-    forward."""
+    ``accumulate``; returns (dk, dv) in the dtypes of k and v. ``selection``: the forward's
+    (row masks or idx, ``selected_forward``); ``kv_finite`` as in the forward."""
     if masked_causal_selection(q.shape[1], params, tables.packed):
-        selection = masked_selection(idx, kv_finite)
-        masked_dq(q, k, v, selection, grad, lse, delta, dq, params, scale,
-                  accumulate=accumulate, dq_out=dq_out)
-        return masked_dkdv(q, k, v, selection, grad, lse, delta, params, scale)
+        masked = MaskedSelection(selection, kv_finite)
+        masked_dq(q, k, v, masked, grad, lse, delta, dq, params, scale, accumulate=accumulate,
+                  dq_out=dq_out)
+        return masked_dkdv(q, k, v, masked, grad, lse, delta, params, scale)
     if dq_per_block(q.shape[2] // k.shape[2]):
-        return block_backward(q, k, v, idx, grad, lse, delta, tables, params, scale, dq=dq,
+        return block_backward(q, k, v, selection, grad, lse, delta, tables, params, scale, dq=dq,
                               accumulate=accumulate, dq_out=dq_out)
-    position_dq(q, k, v, idx, grad, lse, delta, dq, tables, params, scale,
+    position_dq(q, k, v, selection, grad, lse, delta, dq, tables, params, scale,
                 accumulate=accumulate, dq_out=dq_out)
-    return block_backward(q, k, v, idx, grad, lse, delta, tables, params, scale)
+    return block_backward(q, k, v, selection, grad, lse, delta, tables, params, scale)
 
 
 def position_dq(q, k, v, idx, grad: BranchGrad, lse, delta, dq, tables, params, scale, *,
