@@ -10,7 +10,7 @@ KV head (as in ``compressed_window.py``; the forward and dq start the last tiles
 ``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned to
 selection blocks: whether a row selected a tile's block is one bit of its row mask (the OR of
 1 << block over its slots, ``masked_selection``, one word per (batch, position, KV head)
-computed once per call; at most 64 blocks). A
+computed once by the op's forward, whose backward reads it again; at most 64 blocks). A
 tile every valid row selected takes the plain products (keys through TMA where the layout
 allows), a tile some rows selected is masked per row and multiplies finite parts only
 (common.py, Masks), a tile no row selected is skipped, and the tiles on the diagonal are
