@@ -71,7 +71,8 @@ class TrainConfig:
     activation_checkpointing: bool = False  # per block, non-reentrant
     compile: bool = False  # torch.compile per block
     # Replay each step's forward and backward from one CUDA graph (nsa.train.graphs) after two
-    # eager steps: no host launch cost per step. One CUDA device, fixed shapes (no doc_masking).
+    # eager steps (eleven under DDP): no host launch cost per step. CUDA devices, one process or
+    # DDP, fixed shapes (no doc_masking).
     cuda_graph: bool = False
     keep_checkpoints: int = 3  # newest checkpoints kept
     watchdog_timeout_s: float | None = 900.0  # no step for this long: dump stacks and exit
@@ -137,10 +138,10 @@ class TrainConfig:
             raise ValueError("doc_masking=true needs data made of documents (each ended by the "
                              "tokenizer's eot id): data=synthetic has none, and holds the eot id "
                              "at random")
-        if self.cuda_graph and (self.parallel != "none" or self.doc_masking):
-            raise ValueError("cuda_graph=true replays one fixed step on one device: it needs "
-                             f"parallel=none and doc_masking=false, got parallel={self.parallel}"
-                             f", doc_masking={str(self.doc_masking).lower()}")
+        if self.cuda_graph and (self.parallel == "fsdp" or self.doc_masking):
+            raise ValueError("cuda_graph=true replays one fixed step: it needs parallel=none or "
+                             f"ddp and doc_masking=false, got parallel={self.parallel}, "
+                             f"doc_masking={str(self.doc_masking).lower()}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not self.sample_prompt:

@@ -132,9 +132,12 @@ def fail_together(error: Exception | None, ctx: DistContext,
 
 
 def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
-               compile_blocks: bool, fsdp_reshard: bool = True,
-               fsdp_prefetch: int = 0) -> nn.Module:
+               compile_blocks: bool, fsdp_reshard: bool = True, fsdp_prefetch: int = 0,
+               stream: torch.cuda.Stream | None = None) -> nn.Module:
     """Per-block torch.compile, then DDP or FSDP2 (``fully_shard`` per block, then the root).
+
+    DDP is built on ``stream`` where one is given: the stream a CUDA-graph step warms up and
+    captures on (nsa/train/graphs.py).
 
     FSDP2 keeps bf16 parameters for compute (``bf16``) and reduces gradients in float32; each
     block frees its gathered parameters after its forward (``fsdp_reshard``) or keeps them for
@@ -148,7 +151,15 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext, *, bf16: bool,
             block.compile()
     if parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        if stream is None:
+            return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # Its broadcast of rank 0's weights runs on ``stream``: ordered against the work
+        # before it and after it on the current stream.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        torch.cuda.current_stream().wait_stream(stream)
+        return wrapped
     if parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (

@@ -10,7 +10,13 @@ What a graph requires, and how the step meets it:
   built by the eager warm-up steps before the capture and kept for the process.
 - No host sync and no host decision inside the step: the NSA op and the model make none
   (shapes fix every launch); packed documents (``doc_masking``) change their boundaries per
-  batch and are refused by the trainer, as is a multi-process run.
+  batch and are refused by the trainer, as is FSDP2 (it gathers and frees parameters around
+  each block).
+- DDP (``parallel=ddp``): the gradient all-reduces are captured with the backward (NCCL
+  collectives can be, and PyTorch's NCCL watchdog leaves captured work alone). As PyTorch's
+  CUDA-graph notes ask, DDP is built on the stream the warm-up and the capture run on
+  (``stream``), and at least DDP_WARMUP_STEPS eager steps come before the capture: DDP
+  rebuilds its gradient buckets in the first steps, and the graph must hold the final ones.
 - The optimizer step runs eagerly after each replay (a few fused launches), so learning-rate
   changes and checkpoints see plain Python numbers and the optimizer's usual state.
 """
@@ -22,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 WARMUP_STEPS = 2  # eager steps before the capture: Triton compiles, cuBLAS and caches settle
+DDP_WARMUP_STEPS = 11  # under DDP (module docstring)
 
 Inputs = list[dict[str, torch.Tensor]]  # the model's keyword arguments, one dict per micro-batch
 
@@ -32,14 +39,18 @@ class CUDAGraphStep:
     first ``warmup`` calls, then from one CUDA graph captured at the next call and replayed at
     every later one. Returns copies of what ``forward_backward`` returned.
 
-    Every call must pass inputs of the shapes and dtypes of the first (ValueError otherwise).
+    The warm-up steps and the capture run on ``stream`` (a new side stream if None; under DDP
+    the one DDP was built on). Every call must pass inputs of the shapes and dtypes of the
+    first (ValueError otherwise).
     """
 
     def __init__(self, forward_backward: Callable[[Inputs], tuple[torch.Tensor, ...]],
-                 optimizer: torch.optim.Optimizer, warmup: int = WARMUP_STEPS):
+                 optimizer: torch.optim.Optimizer, warmup: int = WARMUP_STEPS,
+                 stream: torch.cuda.Stream | None = None):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the capture needs a warm step), got {warmup}")
         self.forward_backward, self.optimizer, self.warmup = forward_backward, optimizer, warmup
+        self.stream = stream
         self.calls = 0
         self.signature: list[dict] | None = None  # the inputs' shapes, dtypes and devices
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -74,9 +85,9 @@ class CUDAGraphStep:
                              f"{signature}, first {self.signature}")
 
     def _eager(self, inputs: Inputs) -> tuple[torch.Tensor, ...]:
-        # On a side stream, as the capture will be: lazy initialisations (cuBLAS handles and
-        # workspaces, Triton modules) then belong to a stream other than the default one.
-        side = torch.cuda.Stream()
+        # On the capture's side stream: lazy initialisations (cuBLAS handles and workspaces,
+        # Triton modules) then belong to a stream other than the default one.
+        side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             outputs = self.forward_backward(inputs)
@@ -85,8 +96,15 @@ class CUDAGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         return tuple(out.clone() for out in outputs)
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
+
     def _capture(self, inputs: Inputs) -> None:
         self.static_inputs = [{name: t.clone() for name, t in micro.items()} for micro in inputs]
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.graph, stream=side):
             self.static_outputs = tuple(self.forward_backward(self.static_inputs))

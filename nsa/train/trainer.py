@@ -56,7 +56,7 @@ from nsa.train.distributed import (
 )
 from nsa.train.errors import SetupError
 from nsa.train.flops import flops_metrics, matmul_params, model_flops_per_token, peak_flops
-from nsa.train.graphs import CUDAGraphStep
+from nsa.train.graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, CUDAGraphStep
 from nsa.train.metrics import MetricsLog, Progress
 from nsa.train.streams import TokenStream, build_stream, local_batch_size
 from nsa.train.tokenizer import TOKENIZERS, Tokenizer, TokenizerUnavailableError, get_tokenizer
@@ -122,8 +122,12 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
     bf16 = t.autocast and device.type == "cuda"
     check_disk_space(run_dir, model)
+    # cuda_graph=true: the warm-up steps and the capture run on one side stream, on which DDP
+    # is built too (nsa/train/graphs.py).
+    graph_stream = torch.cuda.Stream(device) if t.cuda_graph else None
     model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile,
-                       fsdp_reshard=t.fsdp_reshard, fsdp_prefetch=t.fsdp_prefetch)
+                       fsdp_reshard=t.fsdp_reshard, fsdp_prefetch=t.fsdp_prefetch,
+                       stream=graph_stream)
     optimizer = build_optimizer(model, t)
     start = 0
     if resume:
@@ -135,7 +139,9 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
-    graphed = (CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer)
+    graphed = (CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer,
+                             warmup=DDP_WARMUP_STEPS if t.parallel == "ddp" else WARMUP_STEPS,
+                             stream=graph_stream)
                if t.cuda_graph else None)
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     peak = peak_flops(device)

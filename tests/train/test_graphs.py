@@ -3,6 +3,7 @@ exactly as the eager step does. On the CPU: the settings it refuses; on a GPU: g
 eager steps on real text, step by step, and through the trainer."""
 
 import math
+import sys
 from importlib import resources
 
 import pytest
@@ -12,18 +13,24 @@ from nsa.models import LanguageModel
 from nsa.train import build_config, train
 from nsa.train.data import BatchSampler
 from nsa.train.errors import SetupError
-from nsa.train.graphs import WARMUP_STEPS, CUDAGraphStep
+from nsa.train.graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, CUDAGraphStep
 from nsa.train.trainer import build_optimizer, forward_backward, model_inputs, train_step
 
+from .processes import SMALL_RUN, run
 from .test_trainer import losses
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-@pytest.mark.parametrize("override", ["parallel=ddp", "parallel=fsdp", "doc_masking=true"])
+@pytest.mark.parametrize("override", ["parallel=fsdp", "doc_masking=true"])
 def test_cuda_graph_refuses_what_changes_between_steps(override):
     with pytest.raises(ValueError, match="cuda_graph=true replays one fixed step"):
         build_config("tiny", ["cuda_graph=true", override, "data=shakespeare"])
+
+
+def test_cuda_graph_takes_ddp():
+    assert build_config("tiny", ["cuda_graph=true", "parallel=ddp"]).train.cuda_graph
 
 
 def test_cuda_graph_needs_a_cuda_device(tiny_overrides):
@@ -151,3 +158,25 @@ def test_graphed_run_resumed_after_a_crash_matches_the_unbroken_run(tmp_path, ti
     assert sorted(resumed_history) == list(range(1, 9))
     for step in history:
         assert math.isclose(resumed_history[step], history[step], abs_tol=5e-3), step
+
+
+@needs_two_gpus
+def test_graphed_ddp_run_trains_as_the_eager_ddp_run(tmp_path):
+    """Two ranks under torchrun (NCCL): the steps replayed from a graph that holds DDP's
+    all-reduces give the eager DDP run's losses, after DDP_WARMUP_STEPS eager steps."""
+    steps = DDP_WARMUP_STEPS + 3  # eager warm-up, the capture (replayed at once), two replays
+
+    def two_ranks(name, *overrides):
+        run_dir = tmp_path / name
+        result = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", "-m", "nsa.train", *SMALL_RUN, "device=cuda",
+                      "parallel=ddp", f"max_steps={steps}", "lr=1e-2", "warmup_steps=2",
+                      "eval_interval=100", f"checkpoint_interval={steps}", f"run_dir={run_dir}",
+                      *overrides])
+        assert result.returncode == 0, result.stderr[-3000:]
+        return losses(run_dir)
+
+    eager, graphed = two_ranks("eager"), two_ranks("graph", "cuda_graph=true")
+    assert sorted(graphed) == list(range(1, steps + 1))
+    for step in eager:
+        assert math.isclose(graphed[step], eager[step], abs_tol=5e-3), step
