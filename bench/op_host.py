@@ -111,11 +111,11 @@ def kernel_ms(fn, calls: int, device: torch.device) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda item: -item[1]))
 
 
-def gpu_ms(fn, calls: int, kernel: str = "") -> float:
+def gpu_ms(fn, calls: int, kernels: tuple[str, ...] = ("",)) -> float:
     """Milliseconds of GPU time per call of fn (``kernel_ms``), only the kernels whose names
-    contain ``kernel`` when given."""
+    contain one of ``kernels`` when given."""
     times = kernel_ms(fn, calls, torch.device("cuda"))
-    return sum(ms for name, ms in times.items() if kernel in name)
+    return sum(ms for name, ms in times.items() if any(k in name for k in kernels))
 
 
 def main(argv=None):

@@ -58,15 +58,16 @@ from nsa.ops.triton.tables import build_tables
 from nsa.train.checkpoint import atomic_write_json
 
 CALLS = 20  # calls profiled per launch shape
-KERNELS = {  # family -> the name of the kernel it tunes (a call may launch others)
-    "cmp_fwd": "_branch_fwd_kernel", "win_fwd": "_branch_fwd_kernel",
-    "cw_dq": "_branches_dq_kernel",
-    "cmp_dkdv": "_branch_bwd_dkdv_kernel", "win_dkdv": "_branch_bwd_dkdv_kernel",
-    "select": "_select_kernel", "selected_fwd": "_selected_fwd_kernel",
-    "masked_fwd": "_masked_fwd_kernel", "selected_dq": "_selected_bwd_dq_kernel",
-    "selected_dkdv": "_block_bwd_kernel", "selected_block_fwd": "_block_fwd_kernel",
-    "masked_dq": "_masked_dq_kernel",
-    "masked_dkdv": "_masked_dkdv_kernel",
+KERNELS = {  # family -> the names of the kernels it times (a call may launch others)
+    "cmp_fwd": ("_branch_fwd_kernel",), "win_fwd": ("_branch_fwd_kernel",),
+    "cw_dq": ("_branches_dq_kernel",),
+    "cmp_dkdv": ("_branch_bwd_dkdv_kernel",), "win_dkdv": ("_branch_bwd_dkdv_kernel",),
+    "select": ("_select_kernel",), "selected_fwd": ("_selected_fwd_kernel",),
+    "masked_fwd": ("_masked_fwd_kernel",), "selected_dq": ("_selected_bwd_dq_kernel",),
+    "selected_dkdv": ("_block_bwd_kernel",), "selected_block_fwd": ("_block_fwd_kernel",),
+    "masked_dq": ("_masked_dq_kernel",),
+    # with the lists of each block's positions it reads, built in the same call
+    "masked_dkdv": ("_masked_dkdv_kernel", "_block_positions_kernel"),
 }
 PAPER = NSAParams(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
 

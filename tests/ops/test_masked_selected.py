@@ -15,6 +15,8 @@ from nsa.ops.triton import selected  # noqa: E402
 from nsa.ops.triton.finite import kv_finite_flags  # noqa: E402
 from nsa.ops.triton.launch import BranchGrad  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
+    POSITIONS_CHUNK,
+    block_positions,
     masked_causal_selection,
     masked_dkdv,
     masked_dq,
@@ -210,6 +212,30 @@ def test_masked_selection_holds_each_rows_blocks():
     assert selection.kv_finite is flags
 
 
+def test_block_positions_list_the_positions_of_each_block_in_order():
+    """Per (batch·KV head, block): the positions whose row mask holds the block, ascending,
+    and their count; 64 blocks (block 63 is the sign bit), T past one chunk of the kernel and
+    not a multiple of the block."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, sel_block = 2, 3, 9
+    T = 64 * sel_block - 4
+    assert T > POSITIONS_CHUNK
+    own = torch.arange(T)[None, :, None] // sel_block  # a position selects blocks <= its own
+    bits = torch.randint(0, 1 << 62, (B, T, H), generator=gen) * 2 + torch.randint(
+        0, 2, (B, T, H), generator=gen)
+    bits = bits & torch.where(own == 63, -1, (1 << (own + 1)) - 1)
+    bits[1, T - 1, 2] = -1  # every block
+    positions, counts = block_positions(bits.to(DEVICE), sel_block)
+    assert positions.shape == (B * H, 64, T) and counts.shape == (B * H, 64)
+    for b in range(B):
+        for h in range(H):
+            for block in range(64):
+                expected = ((bits[b, :, h] >> block) & 1).nonzero().flatten()
+                assert counts[b * H + h, block] == len(expected)
+                assert positions[b * H + h, block, :len(expected)].cpu().equal(
+                    expected.to(torch.int32)), (b, h, block)
+
+
 def test_kv_finite_flags_mark_each_batch_and_kv_head_holding_a_non_finite_key_or_value():
     """The flags that pick each program's path (finite.py), for three (k, v) pairs of
     different lengths in one launch: 0 exactly where a key or value is NaN or infinite, in any
@@ -248,15 +274,15 @@ def test_a_nan_query_reaches_the_key_gradients_of_exactly_the_keys_it_sees():
 @pytest.mark.parametrize("case", [CASES[3], CASES[4]], ids=case_id)
 def test_dkdv_split_into_query_segments_equals_one_segment(case, monkeypatch):
     """On a GPU whose SMs the key tiles alone would leave idle, dK/dV runs over segments of
-    the queries (float32 partials, summed in order): the same gradients as one segment, with
-    segment boundaries inside key tiles' diagonals (segments of 40 positions, tiles of 16) and
-    on them (256, tiles of 64)."""
+    each block's list of positions (float32 partials, summed in order): the same gradients as
+    one segment, with segment boundaries among the entries masked by position (segments of 8
+    entries: l' = 16 has up to 15 such; 100: the second key tile of l' = 128 has 127)."""
     from nsa.ops.triton import launch
 
     (q, k, v, do), idx, params, _ = make_case(case, torch.float32)
     whole = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
     monkeypatch.setattr(launch, "num_sms", lambda device: 1000)
-    monkeypatch.setattr(launch, "MIN_SEGMENT", 40 if params.sel_block == 16 else 256)
+    monkeypatch.setattr(launch, "MIN_SEGMENT", 8 if params.sel_block == 16 else 100)
     T = q.shape[1]
     assert launch.dkdv_segment(T, 1, q.device, T) < T  # more than one segment
     split = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)

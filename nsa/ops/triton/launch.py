@@ -70,7 +70,9 @@ TUNING = {
 # the dq's 64 rows, 4 warps, 3 stages v18). The masked dq takes TUNING's 128 rows at D = 64
 # too: 0.228-0.229 ms against 0.247-0.248 at v20's 64, three H200 runs (v34). cw_dq's 32
 # compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
-# programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session).
+# programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
+# over each block's positions kept 128 / 4 / 3 (0.385 ms; 128 / 8 / 3 0.410, 64 / 4 / 3
+# 0.404; forty-third session).
 NARROW_TUNING = {
     "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),

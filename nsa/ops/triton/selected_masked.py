@@ -30,13 +30,17 @@ pipelined loop that also computes the tiles no row selected; without, tiles are 
 or masked as above (loaded either way: loads outside the branches are pipelined).
 
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
-``compressed_window.py``): it loops over the later query tiles, loading the rows whose
-position did not select the tile's block as padding rows (zeros, lse = +inf), so every tile
-past the diagonal takes the plain products, with no branch (a tile no row selected costs its
-products: skipping it made the loop slower, bench/NOTES.md, v19) and no test for non-finite
-values (a padding row holds none); it needs no inverse index (the per-block kernel's sort).
-Each program writes its own keys' gradients, or with small B x H a partial per segment of
-the queries, summed in order: deterministic.
+``compressed_window.py``) over the positions that selected the tile's block, listed in
+ascending order by one kernel from the row masks (``block_positions``: a cumulative sum per
+(batch, KV head, block), no sort), P positions x G heads a tile. Only the first entries (fewer
+than l', inside the block) are masked by position; every later tile takes the plain products,
+with no branch and no test for non-finite values (the rows past a list's end load as padding
+rows: zeros, lse = +inf). A position's rows are computed only for the blocks it selected,
+where looping over every later position with the others as padding rows computed all of causal
+attention's (at m7c's 8 x 2k, 0.415 -> 0.385 ms a layer with the lists' kernel; the first
+loop is not pipelined: pipelined, it doubled the stack and the kernel was 19 % slower than
+before; bench/NOTES.md, forty-third session). Each program writes its own keys' gradients, or
+with small B x H a partial per segment of the list, summed in order: deterministic.
 """
 
 from __future__ import annotations
@@ -56,10 +60,8 @@ from nsa.ops.triton.common import (
     key_value_tile,
     load_tile,
     longest_first,
-    partial_tile,
     query_rows_tile,
     query_tile_rows,
-    split_tiles,
     store_tile,
 )
 from nsa.ops.triton.finite import launch_per_flag
@@ -83,6 +85,7 @@ from nsa.ops.triton.launch import (
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
 BITS_ROWS = 128  # rows per program of masked_selection's bits
+POSITIONS_CHUNK = 512  # positions per step of block_positions' kernel
 
 
 def masked_causal_selection(T: int, params: NSAParams, packed: bool) -> bool:
@@ -262,23 +265,56 @@ def _masked_dq_kernel(
 
 
 @kernel
+def _block_positions_kernel(BITS, POSITIONS, COUNTS, T, H, NUM_BLOCKS, stride_bb, stride_bt,
+                            SEL_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """POSITIONS[b·H + h, j, :COUNTS[b·H + h, j]] = the positions whose row mask holds block j
+    (KV head h of batch b), ascending; one program per list, CHUNK positions a step."""
+    pid_bh = tl.program_id(0)
+    block = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    list_id = pid_bh * NUM_BLOCKS + block
+    out = POSITIONS + list_id.to(tl.int64) * T
+    count = tl.full([], 0, tl.int32)
+    # A position selects only blocks that start at or before it.
+    for lo in range(block * SEL_BLOCK, T, CHUNK):
+        t = lo + tl.arange(0, CHUNK)
+        bits = tl.load(BITS + b * stride_bb + t.to(tl.int64) * stride_bt + h, mask=t < T,
+                       other=0)
+        chosen = ((bits >> block) & 1).to(tl.int32)
+        tl.store(out + count + tl.cumsum(chosen, 0) - 1, t, mask=chosen != 0)
+        count += tl.sum(chosen, 0)
+    tl.store(COUNTS + list_id, count)
+
+
+@triton.jit
+def _listed_rows(positions, e_start, e_end, G: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows of entries e_start .. e_start + P - 1 (below e_end) of a block's positions
+    (P = BLOCK_R // G) x the G query heads of each: (position t (int64), row mask)."""
+    P: tl.constexpr = BLOCK_R // G
+    r = tl.arange(0, BLOCK_R)
+    e = e_start + r // G
+    rows_ok = (r < P * G) & (e < e_end)
+    return tl.load(positions + e, mask=rows_ok, other=0).to(tl.int64), rows_ok
+
+
+@kernel
 def _masked_dkdv_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, BITS, DK_OUT, DV_OUT,
+    Q, K, V, DO, GATE, LSE, DELTA, POSITIONS, COUNTS, DK_OUT, DV_OUT,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh, stride_bb, stride_bt,
+    stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    stride_dks, stride_dvs, T, H, SEGMENT, scale_log2, scale,
+    stride_dks, stride_dvs, T, H, NUM_BLOCKS, SEGMENT, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
-    """dK, dV of a tile of BLOCK_N keys of KV head h from the query tiles (P positions x G
-    heads) of one segment of SEGMENT positions (program axis 2) that come at or after it,
-    masked to the rows whose position selected the tile's block; segments write separate
-    partials. Program axis 0 is (b, h), so the first key tiles (the longest loops) start
-    first."""
+    """dK, dV of a tile of BLOCK_N keys of KV head h from the positions that selected its
+    block (``block_positions``: P positions x G heads a tile), those of one segment of SEGMENT
+    entries of the list (program axis 2); segments write separate partials. Program axis 0 is
+    (b, h), so the first key tiles (block 0: every position's) start first."""
     P: tl.constexpr = BLOCK_R // G
     pid_bh = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
@@ -291,38 +327,32 @@ def _masked_dkdv_kernel(
     k_ok = s < T
     k = load_tile(K + b * stride_kb + s64 * stride_kt + h * stride_kh, k_ok, DK, BLOCK_DK)
     v = load_tile(V + b * stride_vb + s64 * stride_vt + h * stride_vh, k_ok, DV, BLOCK_DV)
-    # Positions from start see some key of the tile, those from its last key on all of it.
-    t_lo = tl.maximum(start, seg * SEGMENT)
-    t_hi = tl.minimum(T, seg * SEGMENT + SEGMENT)
-    full_lo, full_hi, num_partial = split_tiles(t_lo, t_hi, tl.minimum(start + BLOCK_N, T) - 1,
-                                                t_hi, P)
-    r = tl.arange(0, BLOCK_R)
-    hq = h * G + r % G
+    list_id = pid_bh * NUM_BLOCKS + block
+    positions = POSITIONS + list_id.to(tl.int64) * T
+    e_lo = seg * SEGMENT
+    e_hi = tl.minimum(tl.load(COUNTS + list_id), e_lo + SEGMENT)
+    # Entry i of the ascending list is a position >= the block's first + i, so the entries
+    # from e_full on see every key of the tile (up to its last below T); those before it
+    # (fewer than l', inside the block) are masked by position too.
+    e_full = tl.minimum(tl.maximum(tl.minimum(start + BLOCK_N, T) - 1 - block * SEL_BLOCK,
+                                   e_lo), e_hi)
+    hq = h * G + tl.arange(0, BLOCK_R) % G
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    # The rows that did not select the block load as padding rows (zeros, lse = +inf: p = 0),
-    # so a tile past the diagonal takes the plain products whichever rows selected it.
-    for i in range(0, num_partial):
-        t = partial_tile(i, t_lo, full_lo, full_hi, P) + r // G
-        rows_ok = (r < P * G) & (t < t_hi)
-        chosen = ((_row_bits(BITS, b, h, t.to(tl.int64), rows_ok, stride_bb, stride_bt)
-                   >> block) & 1) != 0
-        if tl.max(chosen.to(tl.int32), axis=0) > 0:
-            q, do, gate, lse, delta = query_rows_tile(
-                Q, DO, GATE, LSE, DELTA, b, t.to(tl.int64), hq, chosen, stride_qb, stride_qt,
-                stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV,
-                BLOCK_DK, BLOCK_DV)
-            valid = chosen[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
-            acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
-                                     scale_log2, IEEE, True, SMALL_SCALE=SMALL_SCALE)
-    for t_start in range(full_lo, full_hi, P):
-        t64 = (t_start + r // G).to(tl.int64)
-        chosen = ((_row_bits(BITS, b, h, t64, r < P * G, stride_bb, stride_bt) >> block)
-                  & 1) != 0
+    for e_start in tl.range(e_lo, e_full, P, num_stages=1):  # a few tiles: not pipelined
+        t64, rows_ok = _listed_rows(positions, e_start, e_full, G, BLOCK_R)
         q, do, gate, lse, delta = query_rows_tile(
-            Q, DO, GATE, LSE, DELTA, b, t64, hq, chosen, stride_qb, stride_qt, stride_qh,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK,
-            BLOCK_DV)
+            Q, DO, GATE, LSE, DELTA, b, t64, hq, rows_ok, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
+        valid = rows_ok[:, None] & k_ok[None, :] & (s64[None, :] <= t64[:, None])
+        acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
+                                 scale_log2, IEEE, True, SMALL_SCALE=SMALL_SCALE)
+    # Rows past the list's end load as padding rows (zeros, lse = +inf: p = 0).
+    for e_start in range(e_full, e_hi, P):
+        t64, rows_ok = _listed_rows(positions, e_start, e_hi, G, BLOCK_R)
+        q, do, gate, lse, delta = query_rows_tile(
+            Q, DO, GATE, LSE, DELTA, b, t64, hq, rows_ok, stride_qb, stride_qt, stride_qh,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
                                  scale_log2, IEEE, False, False, SMALL_SCALE=SMALL_SCALE)
     dk_out = DK_OUT + seg.to(tl.int64) * stride_dks + b * stride_dkb
@@ -413,22 +443,37 @@ def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
     )
 
 
+def block_positions(bits, sel_block: int):
+    """The positions that selected each block, from the row masks ``bits`` [B, T, H] int64:
+    (positions [B·H, blocks, T] int32, of which list (b·H + h, j) holds its first
+    counts[b·H + h, j] entries, ascending; counts [B·H, blocks] int32); one kernel."""
+    B, T, H = bits.shape
+    blocks = cdiv(T, sel_block)
+    positions = torch.empty(B * H, blocks, T, dtype=torch.int32, device=bits.device)
+    counts = torch.empty(B * H, blocks, dtype=torch.int32, device=bits.device)
+    if counts.numel():
+        _block_positions_kernel[(B * H, blocks)](
+            bits, positions, counts, T, H, blocks, *strides(bits, 2), SEL_BLOCK=sel_block,
+            CHUNK=POSITIONS_CHUNK)
+    return positions, counts
+
+
 def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
                 params: NSAParams, scale: float):
     """dK, dV of the selected branch of fixed-length batches (in the dtypes of k and v): per key
-    tile, from the later query tiles, masked to the rows that selected its block; the queries
-    are split into segments where the key tiles alone would leave SMs idle (small B x H)."""
-    bits = selection.bits
+    tile, from the positions that selected its block (``block_positions``); the lists are
+    split into segments where the key tiles alone would leave SMs idle (small B x H)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
+    positions, counts = block_positions(selection.bits, params.sel_block)
     meta = _meta("masked_dkdv", q, k, v, params)
     tiles = cdiv(T, meta["BLOCK_N"])
     segment = dkdv_segment(T, tiles * B * H, q.device, T)
     segments = cdiv(T, segment)
     dk, dv = dkdv_buffers(k, v, segments)
     _masked_dkdv_kernel[(B * H, tiles, segments)](
-        q, k, v, grad.do, grad.gate, lse, delta, bits, dk, dv, *strides(q), *strides(k),
-        *strides(v), *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
-        *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, segment, scale * LOG2E, scale,
-        SMALL_SCALE=small_scale(scale), **meta,
+        q, k, v, grad.do, grad.gate, lse, delta, positions, counts, dk, dv, *strides(q),
+        *strides(k), *strides(v), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
+        *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, counts.shape[1], segment,
+        scale * LOG2E, scale, SMALL_SCALE=small_scale(scale), **meta,
     )
     return sum_segments(dk, dv, k, v)
