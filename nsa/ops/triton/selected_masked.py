@@ -37,10 +37,11 @@ than l', inside the block) are masked by position; every later tile takes the pl
 with no branch and no test for non-finite values (the rows past a list's end load as padding
 rows: zeros, lse = +inf). A position's rows are computed only for the blocks it selected,
 where looping over every later position with the others as padding rows computed all of causal
-attention's (at m7c's 8 x 2k, 0.415 -> 0.385 ms a layer with the lists' kernel; the first
-loop is not pipelined: pipelined, it doubled the stack and the kernel was 19 % slower than
-before; bench/NOTES.md, forty-third session). Each program writes its own keys' gradients, or
-with small B x H a partial per segment of the list, summed in order: deterministic.
+attention's (at m7c's 8 x 2k, 0.415 -> 0.385 ms a layer with the lists' kernel). The first
+loop (a few tiles) is not pipelined: pipelined, the kernel was 19 % slower than before, for a
+reason its offline compile does not show (bench/NOTES.md, forty-third session). Each program
+writes its own keys' gradients, or with small B x H a partial per segment of the list, summed
+in order: deterministic.
 """
 
 from __future__ import annotations
