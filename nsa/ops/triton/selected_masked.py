@@ -387,9 +387,10 @@ def _launch(kind: str, q, k, v, params: NSAParams):
 
 
 class MaskedSelection(NamedTuple):
-    """What the masked kernels read of a selection, built once per forward and once per
-    backward (``masked_selection``): the row masks ``bits`` [B, T, H] int64 and the flags
-    ``kv_finite`` [B, H] int8 of the branch's keys and values (finite.py)."""
+    """What the masked kernels read of a selection: the row masks ``bits`` [B, T, H] int64,
+    built once by the forward (``masked_selection``) and saved for the backward, which pairs
+    them with the flags again (``selected.selected_backward``), and the flags ``kv_finite``
+    [B, H] int8 of the branch's keys and values (finite.py)."""
 
     bits: torch.Tensor
     kv_finite: torch.Tensor
