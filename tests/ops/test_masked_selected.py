@@ -291,6 +291,30 @@ def test_dkdv_split_into_query_segments_equals_one_segment(case, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_dkdv_with_wide_row_offsets_equals_narrow(monkeypatch):
+    """The dK/dV computes its rows' offsets in int32 unless an offset inside a batch entry of
+    q, do or lse reaches 2^31 (``launch.wide_rows``): int64 offsets give the same gradients."""
+    from nsa.ops.triton import selected_masked
+
+    (q, k, v, do), idx, params, _ = make_case(CASES[0], torch.float32)
+    narrow = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
+    monkeypatch.setattr(selected_masked, "wide_rows", lambda *tensors: True)
+    wide = kernel_forward_backward(q, k, v, do, idx, params, q.shape[-1] ** -0.5)
+    for a, b in zip(wide[3:], narrow[3:]):
+        assert a.equal(b)
+
+
+def test_wide_rows_holds_where_an_offset_inside_a_batch_entry_reaches_2_to_31():
+    from nsa.ops.triton.launch import wide_rows
+
+    def view(shape, stride):  # strides past any real allocation (meta tensors hold no data)
+        return torch.empty(0, device="meta").as_strided(shape, stride)
+
+    assert not wide_rows(view((2, 2048, 12, 64), (2**40, 768, 64, 1)))  # the batch stride
+    assert not wide_rows(view((1, 2, 1), (1, 2**31 - 1, 1)))  # largest offset 2^31 - 1
+    assert wide_rows(view((1, 3, 1), (1, 2**30, 1)), view((1, 1), (1, 1)))  # 2^31
+
+
 def test_masked_path_is_for_short_fixed_length_batches_only():
     paper = NSAParams()
     assert masked_causal_selection(2048, paper, packed=False)  # 32 blocks = 2n

@@ -63,7 +63,7 @@ TUNING = {
     # (selected_masked.py).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=3),
     "masked_dq": dict(rows=128, num_warps=4, num_stages=3),
-    "masked_dkdv": dict(rows=128, num_warps=8, num_stages=1),
+    "masked_dkdv": dict(rows=64, num_warps=4, num_stages=3),
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
@@ -71,13 +71,14 @@ TUNING = {
 # too: 0.228-0.229 ms against 0.247-0.248 at v20's 64, three H200 runs (v34). cw_dq's 32
 # compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
 # programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
-# over each block's positions kept 128 / 4 / 3 (0.385 ms; 128 / 8 / 3 0.410, 64 / 4 / 3
-# 0.404; forty-third session).
+# over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331,
+# 128 / 4 / 3 0.47; TUNING's 64 / 4 / 3 at D = 128: 1.215 ms against 128 / 8 / 1's 1.56;
+# forty-fourth session).
 NARROW_TUNING = {
     "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
-    "masked_dkdv": dict(rows=128, num_warps=4, num_stages=3),
+    "masked_dkdv": dict(rows=128, num_warps=4, num_stages=2),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
 }
 
@@ -240,6 +241,13 @@ def sum_segments(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.T
     if dk.shape[0] == 1:
         return dk[0], dv[0]
     return dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
+
+
+def wide_rows(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset inside one batch entry (dimensions 1 on) of any of these
+    tensors reaches 2^31: kernels that compute their rows' offsets in int32 need int64 then."""
+    return any(sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:]))
+               >= 2**31 for x in tensors)
 
 
 def strides(x: torch.Tensor, n: int = 3):

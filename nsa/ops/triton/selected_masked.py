@@ -37,11 +37,12 @@ than l', inside the block) are masked by position; every later tile takes the pl
 with no branch and no test for non-finite values (the rows past a list's end load as padding
 rows: zeros, lse = +inf). A position's rows are computed only for the blocks it selected,
 where looping over every later position with the others as padding rows computed all of causal
-attention's (at m7c's 8 x 2k, 0.415 -> 0.385 ms a layer with the lists' kernel). The first
-loop (a few tiles) is not pipelined: pipelined, the kernel was 19 % slower than before, for a
-reason its offline compile does not show (bench/NOTES.md, forty-third session). Each program
-writes its own keys' gradients, or with small B x H a partial per segment of the list, summed
-in order: deterministic.
+attention's. Both loops are pipelined; rows' offsets are int32 unless a batch entry is 2^31
+elements or more (``launch.wide_rows``): at m7c's 8 x 2k, 0.415 ms a layer over every later
+position, 0.385 over the lists with int64 offsets and the first loop not pipelined, 0.31-0.33
+now (bench/NOTES.md, forty-third and forty-fourth sessions). Each program writes its own keys'
+gradients, or with small B x H a partial per segment of the list, summed in order:
+deterministic.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from nsa.ops.triton.launch import (
     strides,
     sum_segments,
     wide_keys,
+    wide_rows,
 )
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
@@ -289,14 +291,20 @@ def _block_positions_kernel(BITS, POSITIONS, COUNTS, T, H, NUM_BLOCKS, stride_bb
 
 
 @triton.jit
-def _listed_rows(positions, e_start, e_end, G: tl.constexpr, BLOCK_R: tl.constexpr):
+def _listed_rows(positions, e_start, e_end, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                 WIDE_ROWS: tl.constexpr):
     """The rows of entries e_start .. e_start + P - 1 (below e_end) of a block's positions
-    (P = BLOCK_R // G) x the G query heads of each: (position t (int64), row mask)."""
+    (P = BLOCK_R // G) x the G query heads of each: (position t, row mask). t is int32, so
+    that the rows' offsets inside a batch entry are too (half the registers of int64 ones),
+    unless WIDE_ROWS (``wide_rows``)."""
     P: tl.constexpr = BLOCK_R // G
     r = tl.arange(0, BLOCK_R)
     e = e_start + r // G
     rows_ok = (r < P * G) & (e < e_end)
-    return tl.load(positions + e, mask=rows_ok, other=0).to(tl.int64), rows_ok
+    t = tl.load(positions + e, mask=rows_ok, other=0)
+    if WIDE_ROWS:
+        t = t.to(tl.int64)
+    return t, rows_ok
 
 
 @kernel
@@ -310,7 +318,7 @@ def _masked_dkdv_kernel(
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
-    IEEE: tl.constexpr, SMALL_SCALE: tl.constexpr,
+    IEEE: tl.constexpr, SMALL_SCALE: tl.constexpr, WIDE_ROWS: tl.constexpr,
 ):
     """dK, dV of a tile of BLOCK_N keys of KV head h from the positions that selected its
     block (``block_positions``: P positions x G heads a tile), those of one segment of SEGMENT
@@ -340,19 +348,19 @@ def _masked_dkdv_kernel(
     hq = h * G + tl.arange(0, BLOCK_R) % G
     acc_k = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     acc_v = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for e_start in tl.range(e_lo, e_full, P, num_stages=1):  # a few tiles: not pipelined
-        t64, rows_ok = _listed_rows(positions, e_start, e_full, G, BLOCK_R)
+    for e_start in range(e_lo, e_full, P):
+        t, rows_ok = _listed_rows(positions, e_start, e_full, G, BLOCK_R, WIDE_ROWS)
         q, do, gate, lse, delta = query_rows_tile(
-            Q, DO, GATE, LSE, DELTA, b, t64, hq, rows_ok, stride_qb, stride_qt, stride_qh,
+            Q, DO, GATE, LSE, DELTA, b, t, hq, rows_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
-        valid = rows_ok[:, None] & k_ok[None, :] & (s64[None, :] <= t64[:, None])
+        valid = rows_ok[:, None] & k_ok[None, :] & (s[None, :] <= t[:, None])
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, valid, acc_k, acc_v,
                                  scale_log2, IEEE, True, SMALL_SCALE=SMALL_SCALE)
     # Rows past the list's end load as padding rows (zeros, lse = +inf: p = 0).
     for e_start in range(e_full, e_hi, P):
-        t64, rows_ok = _listed_rows(positions, e_start, e_hi, G, BLOCK_R)
+        t, rows_ok = _listed_rows(positions, e_start, e_hi, G, BLOCK_R, WIDE_ROWS)
         q, do, gate, lse, delta = query_rows_tile(
-            Q, DO, GATE, LSE, DELTA, b, t64, hq, rows_ok, stride_qb, stride_qt, stride_qh,
+            Q, DO, GATE, LSE, DELTA, b, t, hq, rows_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
         acc_k, acc_v = dkdv_tile(q, k, v, do, gate, lse, delta, None, acc_k, acc_v,
                                  scale_log2, IEEE, False, False, SMALL_SCALE=SMALL_SCALE)
@@ -476,6 +484,7 @@ def masked_dkdv(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delt
         q, k, v, grad.do, grad.gate, lse, delta, positions, counts, dk, dv, *strides(q),
         *strides(k), *strides(v), *strides(grad.do), *lse.stride()[:2], *dk.stride()[1:4],
         *dv.stride()[1:4], dk.stride(0), dv.stride(0), T, H, counts.shape[1], segment,
-        scale * LOG2E, scale, SMALL_SCALE=small_scale(scale), **meta,
+        scale * LOG2E, scale, SMALL_SCALE=small_scale(scale),
+        WIDE_ROWS=wide_rows(q, grad.do, lse), **meta,
     )
     return sum_segments(dk, dv, k, v)
