@@ -37,8 +37,8 @@ than l', inside the block) are masked by position; every later tile takes the pl
 with no branch and no test for non-finite values (the rows past a list's end load as padding
 rows: zeros, lse = +inf). A position's rows are computed only for the blocks it selected,
 where looping over every later position with the others as padding rows computed all of causal
-attention's. Both loops are pipelined; rows' offsets are int32 unless a batch entry is 2^31
-elements or more (``launch.wide_rows``): at m7c's 8 x 2k, 0.415 ms a layer over every later
+attention's. Both loops are pipelined; rows' offsets are int32 unless an offset inside one
+batch entry reaches 2^31 (``launch.wide_rows``): at m7c's 8 x 2k, 0.415 ms a layer over every later
 position, 0.385 over the lists with int64 offsets and the first loop not pipelined, 0.31-0.33
 now (bench/NOTES.md, forty-third and forty-fourth sessions). Each program writes its own keys'
 gradients, or with small B x H a partial per segment of the list, summed in order:
