@@ -60,7 +60,8 @@ TUNING = {
     # 6-12 % below 256 (fewer dK/dV partials; bench/NOTES.md, thirty-first session).
     "selected_block_fwd": dict(rows=64, num_warps=4, num_stages=1, max_group=4, segment=1024),
     # The selected forward, dq and dK/dV at short T as masked causal attention
-    # (selected_masked.py).
+    # (selected_masked.py). The dK/dV at 4 x 2k, 64/4/128: 1.215 ms at 64 / 4 / 3 against the
+    # 1.56 of 128 / 8 / 1 before both its loops were pipelined (forty-fourth session).
     "masked_fwd": dict(rows=128, num_warps=4, num_stages=3),
     "masked_dq": dict(rows=128, num_warps=4, num_stages=3),
     "masked_dkdv": dict(rows=64, num_warps=4, num_stages=3),
@@ -72,8 +73,7 @@ TUNING = {
 # compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
 # programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
 # over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331,
-# 128 / 4 / 3 0.47; TUNING's 64 / 4 / 3 at D = 128: 1.215 ms against 128 / 8 / 1's 1.56;
-# forty-fourth session).
+# 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session).
 NARROW_TUNING = {
     "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
