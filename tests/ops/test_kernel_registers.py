@@ -73,7 +73,7 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
                      BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True,
                      SMALL_SCALE=True)  # the default scale's launch
     if kind == "dq":
-        constants["ACCUMULATE"] = True
+        constants.update(ACCUMULATE=True, WIDE_ROWS=False)  # int32 row offsets at this shape
     else:
         constants["GATED"] = True  # the op's launch: the forward also writes the gated sum
     desc = "tensordesc<bf16[1, 64, 1, 64]>"

@@ -222,10 +222,12 @@ def _masked_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
-    SMALL_SCALE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr, WIDE_ROWS: tl.constexpr,
 ):
     """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
-    the programs whose KV_FINITE flag equals FINITE (module docstring)."""
+    the programs whose KV_FINITE flag equals FINITE (module docstring). DQ_IN and DQ_OUT have
+    Q's layout; past the rows' first loads their positions are int32 unless WIDE_ROWS
+    (``launch.wide_rows``), as in the dK/dV."""
     tile, pid_bh = longest_first()
     if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
         b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
@@ -233,6 +235,7 @@ def _masked_dq_kernel(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
         bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
+        t = t64 if WIDE_ROWS else t64.to(tl.int32)  # live through the loops
         every_bits, some_bits = _tile_masks(bits, row_ok)
         acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
         full_hi = (t_first + 1) // BLOCK_N * BLOCK_N
@@ -259,10 +262,10 @@ def _masked_dq_kernel(
                                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                       DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False)
                 s = start + tl.arange(0, BLOCK_N)
-                valid = chosen[:, None] & (s[None, :] <= t64[:, None])
+                valid = chosen[:, None] & (s[None, :] <= t[:, None])
                 acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE,
                               not FINITE, SMALL_SCALE=SMALL_SCALE)
-        rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
+        rows = b * stride_qb + t * stride_qt + hq * stride_qh
         accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
                         BLOCK_DK, ACCUMULATE)
 
@@ -449,7 +452,8 @@ def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
         q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
         dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
         *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
-        scale * LOG2E, scale, ACCUMULATE=accumulate, SMALL_SCALE=small_scale(scale), **meta,
+        scale * LOG2E, scale, ACCUMULATE=accumulate, SMALL_SCALE=small_scale(scale),
+        WIDE_ROWS=wide_rows(q), **meta,
     )
 
 
