@@ -12,9 +12,12 @@ bytes (a stride off that slows every kernel that reads them).
 marks rotated by RoPE, in one autograd node. Unrotated heads are views of y; rotated ones are
 new tensors, one RoPE launch for up to three. Its backward writes y's gradient once: each
 tensor's gradient straight into its columns (through the inverse rotation where the tensor was
-rotated), zeros where no tensor reads. Split by views (a split of y, the K/V's split into keys
-and values, the sets' unbind), the backward assembled y's gradient level by level, a stack,
-then two concatenations, each a copy of what the previous wrote (bench/NOTES.md, v36).
+rotated), zeros where no tensor reads. With the kernel, the unrotated tensors of the rotated
+ones' head dim are copied by the inverse rotation's launches too (a layer's keys and values:
+one launch per three tensors instead of a copy kernel each). Split by views (a split of y, the
+K/V's split into keys and values, the sets' unbind), the backward assembled y's gradient level
+by level, a stack, then two concatenations, each a copy of what the previous wrote
+(bench/NOTES.md, v36).
 """
 
 from __future__ import annotations
@@ -163,18 +166,19 @@ def _rotated(xs: list[torch.Tensor], cos, sin, kernel: bool) -> list[torch.Tenso
     return call_op(rope_op, rope, xs, cos, sin, False) if xs else []
 
 
-def _rotate_back_into(grads: list[torch.Tensor], outs: list[torch.Tensor], cos, sin,
-                      kernel: bool) -> None:
-    """outs[k] = grads[k] rotated by the opposite angles (the rotation's backward)."""
+def _rotate_back_into(grads: list[torch.Tensor], outs: list[torch.Tensor], rotate: list[bool],
+                      cos, sin, kernel: bool) -> None:
+    """outs[k] = grads[k] rotated by the opposite angles (the rotation's backward), or as it is
+    where not rotate[k]."""
     if not kernel:
-        for grad, out in zip(grads, outs, strict=True):
-            out.copy_(rotate_torch(grad, cos, -sin))
+        for grad, out, rotated in zip(grads, outs, rotate, strict=True):
+            out.copy_(rotate_torch(grad, cos, -sin) if rotated else grad)
         return
     from nsa.ops.triton.launch import call_op
     from nsa.ops.triton.rope import rope_into, rope_into_op
 
     if grads:
-        call_op(rope_into_op, rope_into, grads, outs, cos, sin, True)
+        call_op(rope_into_op, rope_into, grads, outs, cos, sin, True, rotate)
 
 
 class _SplitHeads(torch.autograd.Function):
@@ -197,14 +201,18 @@ class _SplitHeads(torch.autograd.Function):
             grad[..., start:end].zero_()
         grads = [g.to(ctx.dtype) for g in grads]
         outs = [group.of_new(grad) for group in layout.groups]
-        rotated = [i for i, group in enumerate(layout.groups) if group.rotate]
-        if rotated:
-            _rotate_back_into([grads[i] for i in rotated], [outs[i] for i in rotated], cos, sin,
-                              ctx.kernel)
-        for g, out, group, add in zip(grads, outs, layout.groups, layout.adds):
+        # The rotated groups, and with the kernel the unrotated ones it can copy (written, not
+        # added to, and of the rotated ones' head dim), in one pass; the others after.
+        dim = next((group.dim for group in layout.groups if group.rotate), None)
+        first = [i for i, (group, add) in enumerate(zip(layout.groups, layout.adds))
+                 if group.rotate or (ctx.kernel and not add and group.dim == dim)]
+        if first:
+            _rotate_back_into([grads[i] for i in first], [outs[i] for i in first],
+                              [layout.groups[i].rotate for i in first], cos, sin, ctx.kernel)
+        for i, (g, out, add) in enumerate(zip(grads, outs, layout.adds)):
             if add:
                 out.add_(g)
-            elif not group.rotate:
+            elif i not in first:
                 out.copy_(g)
         return grad, None, None, None, None
 

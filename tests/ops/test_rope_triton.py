@@ -2,9 +2,10 @@
 (more take several), equals the PyTorch rotation of each, forward and backward: strided views of
 one projection as the layer passes them, heads that differ per tensor, angles per sequence or
 shared, a head dim whose half is not a power of two, an output left out of the loss; the inverse
-undoes it, rope_into writes into strided views, the ops pass opcheck, and NSAttention rotates
-its queries and keys in one launch forward and one backward. ``rotate_many`` refuses tensors
-that disagree. On a machine without CUDA it runs in Triton's interpreter."""
+undoes it, rope_into writes into strided views (copying the tensors it is told not to rotate),
+the ops pass opcheck, and NSAttention rotates its queries and keys in one launch forward and,
+with its unrotated keys and values copied, one per three tensors backward. ``rotate_many``
+refuses tensors that disagree. On a machine without CUDA it runs in Triton's interpreter."""
 
 from unittest import mock
 
@@ -106,33 +107,41 @@ def test_rope_op_passes_opcheck():
     torch.library.opcheck(rope_op, (xs, cos, sin, False))
 
 
-def test_rope_into_writes_the_rotations_into_strided_views():
+@pytest.mark.parametrize("rotate", [(True,) * 5, (False, True, False, False, True)],
+                         ids=["all-rotated", "some-copied"])
+def test_rope_into_writes_the_rotations_into_strided_views(rotate):
     B, T, D = 2, 5, 8
     base, views = projection(B, T, HEADS, D, torch.float32)
     cos, sin = angles(2, T, D)
     target = torch.zeros(B, T, sum(HEADS) + 3, D + 2, device=DEVICE)
     starts = [3 + sum(HEADS[:k]) for k in range(len(HEADS))]
     outs = [target[:, :, s:s + h, 1:1 + D] for s, h in zip(starts, HEADS, strict=True)]
-    rope_into(views(base), outs, cos, sin, True)
-    for out, x in zip(outs, views(base), strict=True):
-        torch.testing.assert_close(out, rotate_torch(x, cos, -sin), rtol=0, atol=1e-6)
+    rope_into(views(base), outs, cos, sin, True, list(rotate))
+    for out, x, rotated in zip(outs, views(base), rotate, strict=True):
+        if rotated:
+            torch.testing.assert_close(out, rotate_torch(x, cos, -sin), rtol=0, atol=1e-6)
+        else:
+            assert out.equal(x)
     assert target[:, :, :3].abs().sum() == 0 and target[..., 0].abs().sum() == 0
     with pytest.raises(ValueError, match="must match"):
         rope_into(views(base)[:1], [torch.zeros(B, T, 3, D, dtype=torch.float64,
-                                                device=DEVICE)], cos, sin, False)
+                                                device=DEVICE)], cos, sin, False, [True])
+    with pytest.raises(ValueError, match="rotate flags"):
+        rope_into(views(base), outs, cos, sin, False, [True])
 
 
 def test_rope_into_op_passes_opcheck():
     g = torch.Generator().manual_seed(6)
     xs = [torch.randn(2, 3, h, 8, generator=g).to(DEVICE) for h in (2, 1)]
     outs = [torch.empty(2, 3, h, 8, device=DEVICE) for h in (2, 1)]
-    torch.library.opcheck(rope_into_op, (xs, outs, *angles(2, 3, 8), True))
+    torch.library.opcheck(rope_into_op, (xs, outs, *angles(2, 3, 8), True, [True, False]))
 
 
 @pytest.mark.parametrize("kv_sharing", ["independent", "shared"])
 def test_layer_rotates_its_queries_and_keys_in_one_launch(kv_sharing):
-    """NSAttention through the kernel (one launch forward and one backward: q, k_slc and k_win,
-    or q and the shared k) equals the layer through PyTorch, output and parameter
+    """NSAttention through the kernel (one launch forward: q, k_slc and k_win, or q and the
+    shared k; backward, their inverse rotations and copies of the keys and values read as they
+    are, three tensors a launch) equals the layer through PyTorch, output and parameter
     gradients."""
     config = replace_fields(AttentionConfig(), dim=32, num_heads=4, num_kv_heads=2,
                             head_dim_k=8, head_dim_v=8, cmp_block=4, cmp_stride=2,
@@ -142,10 +151,10 @@ def test_layer_rotates_its_queries_and_keys_in_one_launch(kv_sharing):
     x = torch.randn(2, 11, 32, device=DEVICE)
     launches = []
 
-    def launch(xs, outs, cos, sin, inverse):
+    def launch(xs, outs, cos, sin, inverse, rotate):
         if xs[0].shape[1] == x.shape[1]:  # the tokens' rotation, not the compressed keys'
-            launches.append(([t.shape[2] for t in xs], inverse))
-        return real_launch(xs, outs, cos, sin, inverse)
+            launches.append(([t.shape[2] for t in xs], inverse, rotate))
+        return real_launch(xs, outs, cos, sin, inverse, rotate)
 
     def run(kernel):
         layer.zero_grad()
@@ -157,8 +166,13 @@ def test_layer_rotates_its_queries_and_keys_in_one_launch(kv_sharing):
     real_launch = nsa.ops.triton.rope._launch
     with mock.patch.object(nsa.ops.triton.rope, "_launch", launch):
         out, grads = run(True)
-    heads = [4, 2, 2] if kv_sharing == "independent" else [4, 2]
-    assert launches == [(heads, False), (heads, True)]
+    if kv_sharing == "independent":  # q, then each K/V set's keys and values
+        forward = ([4, 2, 2], False, [True] * 3)
+        backward = ([4, 2, 2, 2, 2, 2, 2], True, [True, False, False, True, False, True, False])
+    else:  # the shared keys read as they are add to their rotation's gradient: not copied
+        forward = ([4, 2], False, [True] * 2)
+        backward = ([4, 2, 2], True, [True, False, True])
+    assert launches == [forward, backward]
     ref, ref_grads = run(False)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
