@@ -357,22 +357,43 @@ def test_triton_gradients_are_bitwise_reproducible(case):
     its dK/dV split into query segments; G = 2, Dk != Dv: full query tiles in the compressed
     and window dK/dV, and the selected forward and dq per key block (partials summed in slot
     order)."""
-    dtype = torch.bfloat16
-    x, cu_seqlens = make_inputs(*case, dtype)
-
-    def run():
-        inputs = {name: t.clone().requires_grad_() for name, t in x.items()}
-        out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
-                                v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton",
-                                **case[-1])
-        grad_out = seeded_randn(*out.shape).to(out)
-        grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], grad_out)
-        return (out, *grads)
-
-    first = run()
+    x, cu_seqlens = make_inputs(*case, torch.bfloat16)
+    first = _output_and_grads(x, cu_seqlens, case)
     for _ in range(3):
-        for name, a, b in zip(("output", *INPUTS), first, run()):
+        for name, a, b in zip(("output", *INPUTS), first,
+                              _output_and_grads(x, cu_seqlens, case)):
             assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+def _output_and_grads(x, cu_seqlens, case):
+    """The Triton op's output and input gradients (bf16 inputs ``x``, a seeded output
+    gradient)."""
+    inputs = {name: t.clone().requires_grad_() for name, t in x.items()}
+    out = nsa.nsa_attention(*(inputs[n] for n in INPUTS[:6]), k_win=inputs["k_win"],
+                            v_win=inputs["v_win"], cu_seqlens=cu_seqlens, backend="triton",
+                            **case[-1])
+    grad_out = seeded_randn(*out.shape).to(out)
+    grads = torch.autograd.grad(out, [inputs[n] for n in INPUTS], grad_out)
+    return (out, *grads)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", [GPU_CASES[2], GPU_CASES[0]], ids=["masked", "G2"])
+def test_triton_op_called_on_another_stream_equals_the_default_stream(case):
+    """The op's second stream (launch.fork) starts after the caller's current stream, whichever
+    it is, and the caller's stream waits for it: called on a new stream right after its inputs
+    were written there, the op gives the default stream's outputs and gradients bitwise."""
+    x, cu_seqlens = make_inputs(*case, torch.bfloat16)
+    expected = _output_and_grads(x, cu_seqlens, case)
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        x = {name: t.clone() for name, t in x.items()}  # written on the caller's stream
+        got = _output_and_grads(x, cu_seqlens, case)
+        got = tuple(t.clone() for t in got)
+    torch.cuda.current_stream().wait_stream(caller)
+    for name, a, b in zip(("output", *INPUTS), expected, got):
+        assert torch.equal(a, b), f"{name} differs on another stream"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -8,7 +8,9 @@ output is kept in float32 for the backward, which runs one dk/dv kernel per bran
 branch's dq, and one dq kernel for the compressed and window branches together (deterministic:
 no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
 backward's delta = do · o then carries the output's rounding, and where dp - delta cancels the
-gradients miss the tolerances (bench/NOTES.md, v6).
+gradients miss the tolerances (bench/NOTES.md, v6). On a GPU the window forward, and the
+compressed and window dK/dV, run on a second stream (``launch.fork``/``join``) beside the
+branches they do not depend on, filling the SMs those leave idle (bench/NOTES.md, v41).
 Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``
 (with ``selected_blocks`` and ``selected_masked``), ``gating`` (each: kernels, then launch
 wrappers), ``launch`` (launch shapes).
@@ -29,7 +31,7 @@ from nsa.ops.triton.compressed_window import (
 )
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
-from nsa.ops.triton.launch import BranchGrad, call_op, unit_stride
+from nsa.ops.triton.launch import BranchGrad, call_op, fork, join, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selected_masked import masked_causal_selection
 from nsa.ops.triton.selection import select
@@ -44,11 +46,15 @@ def _forward(q, k, v, k_cmp, v_cmp, gates, k_win, v_win, params: NSAParams, scal
     the branches' keys and values: finite.py)."""
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     kv_finite = kv_finite_flags(((k_cmp, v_cmp), (k, v), (k_win, v_win)))  # [3, B, H]
+    # The window branch on a second stream, beside the compressed branch and the selection.
+    side = fork(q.device)
+    with torch.cuda.stream(side):
+        o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale,
+                                        kv_finite[2])
     o_cmp, lse_cmp = branch_forward(q, k_cmp, v_cmp, tables, MODE_CMP, params, scale,
                                     kv_finite[0])
     idx = select(q, k_cmp, lse_cmp, tables, params, scale)
-    o_win, lse_win = branch_forward(q, k_win, v_win, tables, MODE_WIN, params, scale,
-                                    kv_finite[2])
+    join(side, o_win, lse_win)
     # The selected branch, last, also writes the gated sum of the three: its programs end at
     # different times, so the sum's memory traffic overlaps other programs' work.
     out = torch.empty(o_cmp.shape, dtype=q.dtype, device=q.device)
@@ -67,6 +73,14 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o
                                                       k.shape[2])
     # Branch i's output gradient is gate[i] · grad_out: its kernels apply the gate.
     cmp_grad, slc_grad, win_grad = (BranchGrad(grad_out, g) for g in gate)
+    # The compressed and window dK/dV on a second stream, beside the selected backward and the
+    # dq (which keep the GPU busy longer: the side's launches fill its idle SMs).
+    side = fork(q.device)
+    with torch.cuda.stream(side):
+        dk_cmp, dv_cmp = branch_dkdv(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], tables,
+                                     MODE_CMP, params, scale, query_finite)
+        dk_win, dv_win = branch_dkdv(q, k_win, v_win, win_grad, lse_win, delta[2], tables,
+                                     MODE_WIN, params, scale, query_finite)
     # dq: the selected branch writes its float32 dq, and one kernel adds the compressed and
     # window branches' and writes the total in q's dtype (no zero fill, no cast), into a dq
     # allocated only then: not held through the selected branch's partials.
@@ -77,10 +91,7 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o
     branches_dq(q, grad_out, DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0]),
                 DqBranch(k_win, v_win, gate[2], lse_win, delta[2], kv_finite[2]), dq_sum, dq,
                 tables, params, scale)
-    dk_cmp, dv_cmp = branch_dkdv(q, k_cmp, v_cmp, cmp_grad, lse_cmp, delta[0], tables,
-                                 MODE_CMP, params, scale, query_finite)
-    dk_win, dv_win = branch_dkdv(q, k_win, v_win, win_grad, lse_win, delta[2], tables,
-                                 MODE_WIN, params, scale, query_finite)
+    join(side, dk_cmp, dv_cmp, dk_win, dv_win)
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
 
 

@@ -215,6 +215,35 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def fork(device: torch.device) -> torch.cuda.Stream | None:
+    """A second stream of a CUDA ``device`` that starts after the work issued so far on the
+    current one (None on the CPU): launches issued inside ``torch.cuda.stream(fork(...))`` run
+    beside the current stream's later ones (in a captured CUDA graph: a parallel branch), where
+    one kernel's tail or a small grid leaves SMs idle. ``join`` ends it."""
+    if device.type != "cuda":
+        return None
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def join(side: torch.cuda.Stream | None, *made: torch.Tensor) -> None:
+    """The current stream waits for ``side``'s work (``fork``); ``made``: the tensors allocated
+    on ``side`` that the current stream uses, marked so that their memory is not reused before
+    its uses."""
+    if side is None:
+        return
+    current = torch.cuda.current_stream(side.device)
+    current.wait_stream(side)
+    for x in made:
+        x.record_stream(current)
+
+
 MIN_SEGMENT = 256  # fewest query positions a dK/dV segment is cut down to (to fill the GPU)
 
 
