@@ -202,17 +202,18 @@ class _SplitHeads(torch.autograd.Function):
         grads = [g.to(ctx.dtype) for g in grads]
         outs = [group.of_new(grad) for group in layout.groups]
         # The rotated groups, and with the kernel the unrotated ones it can copy (written, not
-        # added to, and of the rotated ones' head dim), in one pass; the others after.
+        # added to, and of the rotated ones' head dim), through the RoPE launches; the others
+        # after.
         dim = next((group.dim for group in layout.groups if group.rotate), None)
-        first = [i for i, (group, add) in enumerate(zip(layout.groups, layout.adds))
-                 if group.rotate or (ctx.kernel and not add and group.dim == dim)]
-        if first:
-            _rotate_back_into([grads[i] for i in first], [outs[i] for i in first],
-                              [layout.groups[i].rotate for i in first], cos, sin, ctx.kernel)
+        by_rope = [i for i, (group, add) in enumerate(zip(layout.groups, layout.adds))
+                   if group.rotate or (ctx.kernel and not add and group.dim == dim)]
+        if by_rope:
+            _rotate_back_into([grads[i] for i in by_rope], [outs[i] for i in by_rope],
+                              [layout.groups[i].rotate for i in by_rope], cos, sin, ctx.kernel)
         for i, (g, out, add) in enumerate(zip(grads, outs, layout.adds)):
             if add:
                 out.add_(g)
-            elif i not in first:
+            elif i not in by_rope:
                 out.copy_(g)
         return grad, None, None, None, None
 
