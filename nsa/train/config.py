@@ -72,8 +72,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile per block
     # Replay each step's forward and backward from one CUDA graph (nsa.train.graphs) after two
     # eager steps (eleven under DDP): no host launch cost per step. CUDA devices, one process or
-    # DDP, fixed shapes (no doc_masking).
-    cuda_graph: bool = False
+    # DDP, fixed shapes (no doc_masking). None ("auto", the default): on wherever that holds for
+    # the resolved device (nsa.train.trainer.graphed_step), since an eager step of a small model
+    # is bound by the host; false: the eager step everywhere; true: refused where it cannot run.
+    cuda_graph: bool | None = None
     keep_checkpoints: int = 3  # newest checkpoints kept
     watchdog_timeout_s: float | None = 900.0  # no step for this long: dump stacks and exit
     watchdog_first_timeout_s: float | None = 3600.0  # allowance for the first step (compiling)
@@ -216,7 +218,8 @@ def build_config(preset: str, overrides: Sequence[str] = ()) -> RunConfig:
     ``model.attention``, ``model.attention.nsa``) by its path or any part of it that ends in
     the field's name and finds one field only: ``window``, ``attention.window``,
     ``model.attention.nsa.window``. ``attention=dense`` sets ``attention.kind``. Values are
-    parsed to the field's type (``none`` for None).
+    parsed to the field's type (``none`` for None, and ``auto`` too for an optional bool such
+    as ``cuda_graph``).
     """
     if preset not in TRAIN_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
@@ -235,7 +238,8 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def parse_value(name: str, text: str, annotation) -> object:
-    """Parse ``text`` as ``annotation`` (int, float, bool, str, or an Optional of one)."""
+    """Parse ``text`` as ``annotation`` (int, float, bool, str, or an Optional of one; an
+    Optional bool also takes ``auto`` for None)."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         options = typing.get_args(annotation)
     else:
@@ -243,6 +247,9 @@ def parse_value(name: str, text: str, annotation) -> object:
     if type(None) in options and text.lower() in ("none", "null"):
         return None
     (kind,) = (t for t in options if t is not type(None))
+    # An optional bool's None is the automatic choice (cuda_graph): "auto" names it.
+    if kind is bool and type(None) in options and text.lower() == "auto":
+        return None
     try:
         if kind is bool:
             if text.lower() not in _TRUE + _FALSE:
@@ -250,5 +257,6 @@ def parse_value(name: str, text: str, annotation) -> object:
             return text.lower() in _TRUE
         return kind(text)
     except ValueError:
-        optional = " or none" if type(None) in options else ""
+        optional = ((" or auto" if kind is bool else " or none") if type(None) in options
+                    else "")
         raise ValueError(f"{name}: cannot parse {text!r} as {kind.__name__}{optional}") from None

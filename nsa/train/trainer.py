@@ -98,15 +98,35 @@ def train(config: RunConfig, resume: bool | str = False, overwrite: bool = False
     ctx = init_distributed(t.device, t.parallel)
     try:
         check_attention_backend(config.model, ctx.device)
-        if t.cuda_graph and ctx.device.type != "cuda":
-            raise SetupError(f"cuda_graph=true needs a CUDA device, got {ctx.device.type}")
+        graphed = graphed_step(t, ctx.device)
         with run_dir_lock(Path(t.run_dir), ctx):
-            return _train(config, ctx, resume, overwrite)
+            return _train(config, ctx, resume, overwrite, graphed)
     finally:
         shutdown_distributed()
 
 
-def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -> TrainResult:
+def graphed_step(t: TrainConfig, device: torch.device) -> bool:
+    """Whether the training step is replayed from a CUDA graph (:mod:`nsa.train.graphs`):
+    ``cuda_graph`` when given, and for None ("auto") wherever a graph applies: a CUDA device,
+    one process or DDP, fixed shapes (no ``doc_masking``). An eager step of a small model is
+    bound by the host issuing its kernels (m7c-125m with NSA on an H200: ~100 ms eager, ~60 ms
+    graphed), so the graph is the default where it can run.
+
+    A function of the config and the resolved device alone: every rank of a run gets the same
+    answer. ``cuda_graph=true`` off a CUDA device is a SetupError (its other refusals,
+    ``parallel=fsdp`` and ``doc_masking``, come with the config).
+    """
+    if t.cuda_graph is None:
+        return device.type == "cuda" and t.parallel in ("none", "ddp") and not t.doc_masking
+    if t.cuda_graph and device.type != "cuda":
+        raise SetupError(f"cuda_graph=true needs a CUDA device, got {device.type}")
+    return t.cuda_graph
+
+
+def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool,
+           graphed: bool) -> TrainResult:
+    """The run, on a checked launch and a locked run directory; ``graphed``: the step replayed
+    from a CUDA graph (:func:`graphed_step`)."""
     t, device = config.train, ctx.device
     if resume == "auto":
         resume = bool(checkpoint_dirs(Path(t.run_dir)))
@@ -122,9 +142,9 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     flops_per_token = model_flops_per_token(config.model, t.seq_len, matmul_params(model))
     bf16 = t.autocast and device.type == "cuda"
     check_disk_space(run_dir, model)
-    # cuda_graph=true: the warm-up steps and the capture run on one side stream, on which DDP
+    # A graphed step: the warm-up steps and the capture run on one side stream, on which DDP
     # is built too (nsa/train/graphs.py).
-    graph_stream = torch.cuda.Stream(device) if t.cuda_graph else None
+    graph_stream = torch.cuda.Stream(device) if graphed else None
     model = wrap_model(model, t.parallel, ctx, bf16=bf16, compile_blocks=t.compile,
                        fsdp_reshard=t.fsdp_reshard, fsdp_prefetch=t.fsdp_prefetch,
                        stream=graph_stream)
@@ -139,17 +159,20 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
     if ctx.is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
-    graphed = (CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer,
-                             warmup=DDP_WARMUP_STEPS if t.parallel == "ddp" else WARMUP_STEPS,
-                             stream=graph_stream)
-               if t.cuda_graph else None)
+    graph_step = None
+    if graphed:
+        graph_step = CUDAGraphStep(
+            lambda inputs: forward_backward(model, inputs, device, t, graphed=True), optimizer,
+            warmup=DDP_WARMUP_STEPS if t.parallel == "ddp" else WARMUP_STEPS,
+            stream=graph_stream)
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     peak = peak_flops(device)
     log = print if ctx.is_main else (lambda *args, **kwargs: None)
     log(f"{unwrap(model).num_parameters():,} parameters ({config.model.attention.kind} "
         f"attention) on {ctx.world_size} x {device.type} ({t.parallel}) with "
-        f"{torch.get_num_threads()} threads; {tokens_per_step:,} tokens/step; steps {start} -> "
-        f"{t.max_steps}; run_dir {run_dir}", flush=True)
+        f"{torch.get_num_threads()} threads; {tokens_per_step:,} tokens/step; CUDA graph "
+        f"{'on' if graphed else 'off'}{' (auto)' if t.cuda_graph is None else ''}; steps "
+        f"{start} -> {t.max_steps}; run_dir {run_dir}", flush=True)
     metrics = MetricsLog(run_dir, start, tensorboard=t.tensorboard,
                          wandb_project=t.wandb_project,
                          wandb_config=config.to_dict()) if ctx.is_main else None
@@ -168,10 +191,10 @@ def _train(config: RunConfig, ctx: DistContext, resume: bool, overwrite: bool) -
         for step in range(start + 1, t.max_steps + 1):
             lr = set_learning_rate(optimizer, step, t)
             micro = (train_stream.next_batch() for _ in range(t.grad_accum))
-            if graphed is None:
+            if graph_step is None:
                 local_loss, grad_norm = train_step(model, optimizer, micro, device, t, eot)
             else:
-                local_loss, grad_norm = graphed([model_inputs(x, y, device) for x, y in micro])
+                local_loss, grad_norm = graph_step([model_inputs(x, y, device) for x, y in micro])
             loss = all_reduce_mean(local_loss, ctx)
             diverged |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
             throughput.step()
@@ -471,16 +494,19 @@ def model_inputs(x: torch.Tensor, y: torch.Tensor, device: torch.device,
 
 
 def forward_backward(model: nn.Module, inputs: list[dict[str, torch.Tensor]],
-                     device: torch.device, t: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                     device: torch.device, t: TrainConfig,
+                     graphed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward and backward passes of one step over ``grad_accum`` micro-batches (the model's
     arguments, :func:`model_inputs`), then gradient clipping; gradients are reduced across ranks
     only on the last micro-batch. Returns (this rank's mean loss, global gradient norm before
-    clipping) as device tensors (no host sync). No optimizer step."""
+    clipping) as device tensors (no host sync). No optimizer step. ``graphed``: the passes run
+    in a :class:`~nsa.train.graphs.CUDAGraphStep` (the trainer's :func:`graphed_step`), not
+    ``t.cuda_graph``, which may be None ("auto")."""
     total = torch.zeros((), device=device)
     for i, micro in enumerate(inputs):
         with gradient_sync(model, enabled=i == len(inputs) - 1):
             # No autocast weight cache in a CUDA graph: its casts would be captured once.
-            with autocast(device, t.autocast, cache=not t.cuda_graph):
+            with autocast(device, t.autocast, cache=not graphed):
                 loss = model(**micro) / t.grad_accum
             loss.backward()
         total += loss.detach()

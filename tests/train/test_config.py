@@ -74,6 +74,8 @@ def test_value_keeps_equals_signs():
     ("lr=fast", "lr"),
     ("batch_size=2.5", "batch_size"),
     ("autocast=maybe", "autocast"),
+    ("autocast=auto", "autocast"),  # "auto" is None, only for an Optional bool (cuda_graph)
+    ("num_threads=auto", "num_threads"),
     ("dim=none", "dim"),  # not Optional
     ("batch_size=0", "batch_size"),
     ("val_fraction=1.5", "val_fraction"),

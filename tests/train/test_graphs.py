@@ -1,6 +1,7 @@
-"""cuda_graph=true: the training step replayed from one CUDA graph (nsa/train/graphs.py) trains
-exactly as the eager step does. On the CPU: the settings it refuses; on a GPU: graphed against
-eager steps on real text, step by step, and through the trainer."""
+"""cuda_graph: the training step replayed from one CUDA graph (nsa/train/graphs.py) trains
+exactly as the eager step does. On the CPU: what the default ("auto") resolves to, and the
+settings an explicit cuda_graph=true refuses; on a GPU: graphed against eager steps on real
+text, step by step, and through the trainer, whose default graphs the step."""
 
 import math
 import sys
@@ -10,11 +11,18 @@ import pytest
 import torch
 
 from nsa.models import LanguageModel
-from nsa.train import build_config, train
+from nsa.train import TRAIN_PRESETS, build_config, train, trainer
+from nsa.train.config import parse_value
 from nsa.train.data import BatchSampler
 from nsa.train.errors import SetupError
 from nsa.train.graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, CUDAGraphStep
-from nsa.train.trainer import build_optimizer, forward_backward, model_inputs, train_step
+from nsa.train.trainer import (
+    build_optimizer,
+    forward_backward,
+    graphed_step,
+    model_inputs,
+    train_step,
+)
 
 from .processes import SMALL_RUN, run
 from .test_trainer import losses
@@ -36,6 +44,57 @@ def test_cuda_graph_takes_ddp():
 def test_cuda_graph_needs_a_cuda_device(tiny_overrides):
     with pytest.raises(SetupError, match="cuda_graph=true needs a CUDA device, got cpu"):
         train(build_config("tiny", [*tiny_overrides, "cuda_graph=true", "device=cpu"]))
+    with pytest.raises(SetupError, match="cuda_graph=true needs a CUDA device, got cpu"):
+        graphed_step(build_config("tiny", ["cuda_graph=true"]).train, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("text,value", [("auto", None), ("AUTO", None), ("none", None),
+                                        ("true", True), ("false", False), ("on", True)])
+def test_cuda_graph_parses_auto_as_none(text, value):
+    assert build_config("tiny", [f"cuda_graph={text}"]).train.cuda_graph is value
+    assert parse_value("cuda_graph", text, bool | None) is value
+
+
+def test_cuda_graph_defaults_to_auto_in_every_preset():
+    """No preset pins the step: each leaves it to the device and the parallelism."""
+    assert all(build_config(name).train.cuda_graph is None for name in TRAIN_PRESETS)
+
+
+# The resolver is a function of the config and the device alone: a CUDA device without a GPU.
+@pytest.mark.parametrize("overrides,device,graphed", [
+    ([], "cpu", False),
+    ([], "cuda", True),
+    (["parallel=ddp"], "cuda", True),
+    (["parallel=fsdp"], "cuda", False),
+    (["doc_masking=true"], "cuda", False),
+    (["parallel=ddp", "doc_masking=true"], "cuda", False),
+    (["parallel=fsdp"], "cpu", False),
+    (["cuda_graph=auto", "parallel=ddp"], "cpu", False),
+    (["cuda_graph=false"], "cuda", False),
+    (["cuda_graph=false", "parallel=ddp"], "cuda", False),
+    (["cuda_graph=false"], "cpu", False),
+    (["cuda_graph=true"], "cuda", True),
+    (["cuda_graph=true", "parallel=ddp"], "cuda", True),
+])
+def test_graphed_step_resolves_auto_where_a_graph_applies(overrides, device, graphed):
+    t = build_config("tiny", overrides).train
+    assert graphed_step(t, torch.device(device)) is graphed
+
+
+def test_the_default_trains_eagerly_on_the_cpu(tiny_overrides, monkeypatch, capsys):
+    """Auto on the CPU: no CUDAGraphStep is built (it would need a GPU) and the start-up line
+    says what auto chose."""
+    def no_graph(*args, **kwargs):
+        raise AssertionError("a CUDAGraphStep was built on the CPU")
+
+    monkeypatch.setattr(trainer, "CUDAGraphStep", no_graph)
+    result = train(build_config("tiny", [*tiny_overrides, "device=cpu", "max_steps=2"]))
+    assert result.steps == 2 and math.isfinite(result.train_loss)
+    assert "; CUDA graph off (auto); " in capsys.readouterr().out
+    train(build_config("tiny", [*tiny_overrides, "device=cpu", "max_steps=3",
+                                "cuda_graph=false"]), resume=True)
+    out = capsys.readouterr().out
+    assert "; CUDA graph off; " in out and "(auto)" not in out
 
 
 def test_graph_step_needs_a_warm_up_step():
@@ -59,7 +118,7 @@ def run_steps(kind: str, graphed: bool, batches: list, overrides=(), device="cud
     seq = batches[0][0][0].shape[1]
     config = build_config("tiny", [f"attention={kind}", "lr=1e-2", "warmup_steps=0",
                                    f"grad_accum={len(batches[0])}", f"seq_len={seq}",
-                                   f"cuda_graph={str(graphed).lower()}", *overrides])
+                                   *overrides])
     device = torch.device(device)
     torch.manual_seed(0)
     model = LanguageModel(config.model).to(device)
@@ -69,7 +128,8 @@ def run_steps(kind: str, graphed: bool, batches: list, overrides=(), device="cud
             block.compile()
     optimizer = build_optimizer(model, config.train)
     t = config.train
-    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t), optimizer)
+    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, t, graphed=True),
+                         optimizer)
     step_losses = []
     for micro in batches:
         if graphed:
@@ -105,12 +165,12 @@ def test_graphed_steps_train_as_the_eager_steps(kind, accum, overrides):
 @needs_cuda
 def test_graph_step_refuses_new_shapes():
     batches = text_batches(WARMUP_STEPS + 2, 1, batch=2, seq=64)
-    config = build_config("tiny", ["cuda_graph=true", "seq_len=64"])
+    config = build_config("tiny", ["seq_len=64"])
     device = torch.device("cuda")
     model = LanguageModel(config.model).to(device)
     optimizer = build_optimizer(model, config.train)
-    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, config.train),
-                         optimizer)
+    step = CUDAGraphStep(lambda inputs: forward_backward(model, inputs, device, config.train,
+                                                         graphed=True), optimizer)
     for micro in batches:
         step([model_inputs(x, y, device) for x, y in micro])
     x, y = batches[0][0]
@@ -122,7 +182,8 @@ def test_graph_step_refuses_new_shapes():
 def test_trainer_with_cuda_graph_matches_the_eager_trainer(tmp_path, tiny_overrides):
     overrides = [*tiny_overrides, "device=cuda", "max_steps=8", "lr=1e-2", "warmup_steps=2",
                  "eval_interval=4", "checkpoint_interval=4"]
-    eager = train(build_config("tiny", [*overrides, f"run_dir={tmp_path / 'eager'}"]))
+    eager = train(build_config("tiny", [*overrides, f"run_dir={tmp_path / 'eager'}",
+                                        "cuda_graph=false"]))
     graphed = train(build_config("tiny", [*overrides, f"run_dir={tmp_path / 'graph'}",
                                           "cuda_graph=true"]))
     history, graph_history = losses(eager.run_dir), losses(graphed.run_dir)
@@ -131,6 +192,25 @@ def test_trainer_with_cuda_graph_matches_the_eager_trainer(tmp_path, tiny_overri
         assert math.isclose(graph_history[step], history[step], abs_tol=5e-3), step
     assert math.isclose(graphed.val_loss, eager.val_loss, abs_tol=5e-3)
     assert graphed.sample.startswith("ROMEO:")
+
+
+@needs_cuda
+def test_the_default_graphs_the_step_on_a_gpu(tiny_overrides, monkeypatch, capsys):
+    """Auto on one GPU: the trainer builds a CUDAGraphStep, captures it after the warm-up steps
+    and replays every later step, and its start-up line says so."""
+    steps = []
+
+    class RecordedStep(CUDAGraphStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            steps.append(self)
+
+    monkeypatch.setattr(trainer, "CUDAGraphStep", RecordedStep)
+    result = train(build_config("tiny", [*tiny_overrides, "device=cuda", "max_steps=5"]))
+    assert result.steps == 5 and math.isfinite(result.train_loss)
+    assert "; CUDA graph on (auto); " in capsys.readouterr().out
+    (step,) = steps
+    assert step.captured and step.calls == 5 and step.warmup == WARMUP_STEPS
 
 
 @needs_cuda
@@ -176,7 +256,7 @@ def test_graphed_ddp_run_trains_as_the_eager_ddp_run(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         return losses(run_dir)
 
-    eager, graphed = two_ranks("eager"), two_ranks("graph", "cuda_graph=true")
+    eager, graphed = two_ranks("eager", "cuda_graph=false"), two_ranks("graph", "cuda_graph=true")
     assert sorted(graphed) == list(range(1, steps + 1))
     for step in eager:
         assert math.isclose(graphed[step], eager[step], abs_tol=5e-3), step

@@ -34,19 +34,28 @@ def source(tiny_overrides) -> Path:
 @pytest.fixture
 def first_step(monkeypatch) -> dict:
     """What the trainer holds at its next first step (clear the dict to record another): the
-    model's weights, the optimizer's state and its learning rate."""
+    model's weights, the optimizer's state and its learning rate. Recorded where the eager and
+    the graphed step (the default on a GPU) both pass: the learning rate is set on the optimizer
+    before the step, whose forward and backward see the weights before its update."""
     seen = {}
-    real_step = trainer.train_step
+    real_set_learning_rate, real_forward_backward = (trainer.set_learning_rate,
+                                                     trainer.forward_backward)
 
-    def recording_step(model, optimizer, *args, **kwargs):
-        if not seen:
+    def recording_set_learning_rate(optimizer, *args, **kwargs):
+        lr = real_set_learning_rate(optimizer, *args, **kwargs)
+        if "optimizer" not in seen:
+            seen.update(optimizer=optimizer.state_dict(), lr=lr)
+        return lr
+
+    def recording_forward_backward(model, *args, **kwargs):
+        if "weights" not in seen:
             # On the CPU, where the checkpoints' weights load (the run's may be on a GPU).
-            seen.update(weights={name: value.detach().to("cpu", copy=True)
-                                 for name, value in unwrap(model).state_dict().items()},
-                        optimizer=optimizer.state_dict(), lr=optimizer.param_groups[0]["lr"])
-        return real_step(model, optimizer, *args, **kwargs)
+            seen["weights"] = {name: value.detach().to("cpu", copy=True)
+                               for name, value in unwrap(model).state_dict().items()}
+        return real_forward_backward(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_step", recording_step)
+    monkeypatch.setattr(trainer, "set_learning_rate", recording_set_learning_rate)
+    monkeypatch.setattr(trainer, "forward_backward", recording_forward_backward)
     return seen
 
 

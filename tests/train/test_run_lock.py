@@ -54,7 +54,8 @@ def test_the_lock_is_released_when_a_run_fails(tiny_overrides, monkeypatch):
 
     config = build_config("tiny", [*tiny_overrides, "max_steps=2"])
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "train_step", failing_step)
+        # The eager and the graphed step (the default on a GPU) both call forward_backward.
+        patch.setattr(trainer, "forward_backward", failing_step)
         with pytest.raises(RuntimeError, match="injected"):
             train(config)
     assert train(config).steps == 2
