@@ -14,7 +14,8 @@
 # user:  the real user path: m7c-125m ($PRESET) trained $STEPS (40) steps in bf16 on the
 #        bundled corpus (bytes tokenizer: no download), ending with its sample, then
 #        `nsa generate` from the run (CUDA graphs): $OUT/train.log, $OUT/generate.log.
-#        $TRAIN_ARGS: more overrides for the training run (e.g. cuda_graph=true).
+#        $TRAIN_ARGS: more overrides for the training run (e.g. cuda_graph=false: the eager
+#        step; the default graphs it on a GPU).
 set -uo pipefail
 OUT=${OUT:-/tmp/nsa-gpu-check}
 mkdir -p "$OUT"
