@@ -11,19 +11,24 @@ not by the GPU.
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --cuda-graph
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
 
-``--profile N`` then runs one more (eager) step under torch.profiler and prints its N GPU
-kernels of largest time: where a step's time goes. ``--count-ops`` adds the host work of one
-more eager forward+backward as counts, free of the host's timing noise: the aten operators it
-dispatches (views included) and the Triton kernels it launches; two depths' rows give the work
-a layer adds.
+``--profile N`` then runs one more step (graphed with ``--cuda-graph``, else eager) under
+torch.profiler and prints its N GPU kernels of largest time, and the GPU's timeline of that
+step: busy (some kernel, copy or fill running), idle, and two or more at once (streams side by
+side): where a step's time goes, and whether any of it is left to overlap. ``--count-ops``
+adds the host work of one more eager forward+backward as counts, free of the host's timing
+noise: the aten operators it dispatches (views included) and the Triton kernels it launches;
+two depths' rows give the work a layer adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,9 +107,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def print_profile(run_step, rows: int) -> None:
-    """One call of ``run_step`` under torch.profiler: its ``rows`` GPU kernels of largest time
-    (by kernel name: a Triton kernel's is its function's), and the step's total."""
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of GPU work
+
+
+def gpu_timeline(intervals: list[tuple[float, float]]) -> dict:
+    """Of GPU activities' (start, end) intervals: the span from the first start to the last
+    end, the time some activity runs (busy: their union), idle (span - busy) and the time two
+    or more run at once, in the intervals' unit."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    running, last, busy, overlapped = 0, 0.0, 0.0, 0.0
+    for time_point, change in edges:
+        busy += (time_point - last) * (running >= 1)
+        overlapped += (time_point - last) * (running >= 2)
+        running, last = running + change, time_point
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    return {"span": span, "busy": busy, "idle": span - busy, "overlapped": overlapped}
+
+
+def print_profile(run_step, rows: int, kind: str) -> None:
+    """One call of ``run_step`` (a ``kind`` step) under torch.profiler: its ``rows`` GPU
+    kernels of largest time (by kernel name: a Triton kernel's is its function's), the step's
+    total, and its GPU timeline (``gpu_timeline``)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run_step()
@@ -113,12 +136,22 @@ def print_profile(run_step, rows: int) -> None:
               and e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"\nself GPU time of one eager step: {total:.1f} ms")
+    print(f"\nself GPU time of one {kind} step: {total:.1f} ms")
     print("| kernel | calls | ms | share |")
     print("|---|---|---|---|")
     for e in events[:rows]:
         ms = e.self_device_time_total / 1e3
         print(f"| {e.key[:70]} | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+    with tempfile.TemporaryDirectory() as tmp:  # start, end and kind of each GPU activity
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in json.loads(trace.read_text())[
+            "traceEvents"] if e.get("cat") in GPU_ACTIVITY]
+    if intervals:
+        t = {name: value / 1e3 for name, value in gpu_timeline(intervals).items()}  # µs -> ms
+        print(f"GPU timeline of that step: {t['span']:.1f} ms from its first kernel to its "
+              f"last, busy {t['busy']:.1f}, idle {t['idle']:.1f}, two or more at once "
+              f"{t['overlapped']:.1f}")
 
 
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
@@ -167,13 +200,16 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
     step = statistics.median(times)
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved[0])
     if profile_rows:
-        def eager_step():
-            forward_backward([{"tokens": inputs, "targets": targets}])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        def one_step():
+            if graphed is not None:
+                graphed([{"tokens": inputs, "targets": targets}])
+            else:
+                forward_backward([{"tokens": inputs, "targets": targets}])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             synchronize(device)
 
-        print_profile(eager_step, profile_rows)
+        print_profile(one_step, profile_rows, "eager" if graphed is None else "graphed")
     counts = {}
     if count_ops:
         with count_host_work(counts):

@@ -58,3 +58,23 @@ def test_count_host_work_leaves_out_what_a_launch_does_inside():
     with train_step.count_host_work(counts):
         rope([x], cos, sin, False)
     assert counts == {"ops": 1, "launches": 1}
+
+
+def test_gpu_timeline_counts_busy_idle_and_overlapped_time():
+    """Two streams' intervals: busy is their union, idle the gaps inside the span, and
+    overlapped the time two or more run at once (three at once counts once)."""
+    intervals = [(10.0, 20.0), (15.0, 30.0), (16.0, 18.0), (40.0, 45.0), (45.0, 50.0)]
+    assert train_step.gpu_timeline(intervals) == {
+        "span": 40.0, "busy": 30.0, "idle": 10.0, "overlapped": 5.0}
+    assert train_step.gpu_timeline([(3.0, 4.0)]) == {
+        "span": 1.0, "busy": 1.0, "idle": 0.0, "overlapped": 0.0}
+
+
+def test_profile_prints_the_kernel_table(capsys):
+    """--profile N on the CPU: the table of one more eager step (no GPU kernels, so no rows and
+    no GPU timeline), after the timing row."""
+    train_step.main(["--layers", "1", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                     "--batch", "1", "--attention", "dense", "--profile", "3"])
+    out = capsys.readouterr().out
+    assert "self GPU time of one eager step" in out and "| kernel | calls | ms | share |" in out
+    assert "GPU timeline" not in out
