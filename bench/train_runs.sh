@@ -5,6 +5,10 @@
 # checkpoint resumed on one GPU. Synthetic tokens: the GPU machine has no internet access.
 #
 #     OUT=/tmp/train-runs bash bench/train_runs.sh     # metrics.jsonl of every run under $OUT
+#
+# Each run takes the trainer's defaults: since 2026-11-30 (cuda_graph auto) the one-GPU and DDP
+# steps are replayed from a CUDA graph and FSDP2's run eagerly; add cuda_graph=false to COMMON
+# for eager steps throughout (the runs recorded before that date).
 set -u
 OUT=${OUT:-/tmp/nsa-train-runs}
 RUNS=${RUNS:-/tmp/nsa-runs}
