@@ -85,6 +85,14 @@ class TrainConfig:
     sample_tokens: int = 200  # bytes generated after the prompt at the end of training
     sample_temperature: float = 0.8
 
+    @property
+    def graph_fits(self) -> bool:
+        """Whether one captured step can replay every step: one process or DDP (FSDP2 gathers
+        and frees parameters around each block) and fixed shapes (documents change per batch).
+        ``cuda_graph=true`` is refused where not; ``auto`` graphs a CUDA device's step where it
+        does (nsa.train.trainer.graphed_step)."""
+        return self.parallel != "fsdp" and not self.doc_masking
+
     def __post_init__(self) -> None:
         for f in fields(self):  # None, not inf, disables grad_clip and the watchdog
             value = getattr(self, f.name)
@@ -140,7 +148,7 @@ class TrainConfig:
             raise ValueError("doc_masking=true needs data made of documents (each ended by the "
                              "tokenizer's eot id): data=synthetic has none, and holds the eot id "
                              "at random")
-        if self.cuda_graph and (self.parallel == "fsdp" or self.doc_masking):
+        if self.cuda_graph and not self.graph_fits:
             raise ValueError("cuda_graph=true replays one fixed step: it needs parallel=none or "
                              f"ddp and doc_masking=false, got parallel={self.parallel}, "
                              f"doc_masking={str(self.doc_masking).lower()}")

@@ -108,16 +108,17 @@ def train(config: RunConfig, resume: bool | str = False, overwrite: bool = False
 def graphed_step(t: TrainConfig, device: torch.device) -> bool:
     """Whether the training step is replayed from a CUDA graph (:mod:`nsa.train.graphs`):
     ``cuda_graph`` when given, and for None ("auto") wherever a graph applies: a CUDA device,
-    one process or DDP, fixed shapes (no ``doc_masking``). An eager step of a small model is
-    bound by the host issuing its kernels (m7c-125m with NSA on an H200: ~100 ms eager, ~60 ms
-    graphed), so the graph is the default where it can run.
+    one process or DDP, fixed shapes (no ``doc_masking``: ``TrainConfig.graph_fits``). An eager
+    step of a small model is bound by the host issuing its kernels (m7c-125m with NSA at 8 x 2k
+    on an H200: 73 ms eager against 61 graphed in bench/train_step.py), so the graph is the
+    default where it can run.
 
     A function of the config and the resolved device alone: every rank of a run gets the same
     answer. ``cuda_graph=true`` off a CUDA device is a SetupError (its other refusals,
     ``parallel=fsdp`` and ``doc_masking``, come with the config).
     """
     if t.cuda_graph is None:
-        return device.type == "cuda" and t.parallel in ("none", "ddp") and not t.doc_masking
+        return device.type == "cuda" and t.graph_fits
     if t.cuda_graph and device.type != "cuda":
         raise SetupError(f"cuda_graph=true needs a CUDA device, got {device.type}")
     return t.cuda_graph
