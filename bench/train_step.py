@@ -12,9 +12,9 @@ not by the GPU.
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
 
 ``--profile N`` then runs one more step (graphed with ``--cuda-graph``, else eager) under
-torch.profiler and prints its N GPU kernels of largest time, and the GPU's timeline of that
-step: busy (some kernel, copy or fill running), idle, and two or more at once (streams side by
-side): where a step's time goes, and whether any of it is left to overlap. ``--count-ops``
+torch.profiler and prints, after the table, its N GPU kernels of largest time and the GPU's
+timeline of that step: busy (some kernel, copy or fill running), idle, and two or more at once
+(streams side by side): where a step's time goes, and whether any of it is left to overlap. ``--count-ops``
 adds the host work of one more eager forward+backward as counts, free of the host's timing
 noise: the aten operators it dispatches (views included) and the Triton kernels it launches;
 two depths' rows give the work a layer adds.
@@ -124,8 +124,8 @@ def gpu_timeline(intervals: list[tuple[float, float]]) -> dict:
     return {"span": span, "busy": busy, "idle": span - busy, "overlapped": overlapped}
 
 
-def print_profile(run_step, rows: int, kind: str) -> None:
-    """One call of ``run_step`` (a ``kind`` step) under torch.profiler: its ``rows`` GPU
+def profile_report(run_step, rows: int, kind: str) -> str:
+    """One call of ``run_step`` (a ``kind`` step) under torch.profiler, as text: its ``rows`` GPU
     kernels of largest time (by kernel name: a Triton kernel's is its function's), the step's
     total, and its GPU timeline (``gpu_timeline``)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -136,12 +136,11 @@ def print_profile(run_step, rows: int, kind: str) -> None:
               and e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"\nself GPU time of one {kind} step: {total:.1f} ms")
-    print("| kernel | calls | ms | share |")
-    print("|---|---|---|---|")
+    lines = [f"self GPU time of one {kind} step: {total:.1f} ms",
+             "| kernel | calls | ms | share |", "|---|---|---|---|"]
     for e in events[:rows]:
         ms = e.self_device_time_total / 1e3
-        print(f"| {e.key[:70]} | {e.count} | {ms:.2f} | {ms / total:.1%} |")
+        lines.append(f"| {e.key[:70]} | {e.count} | {ms:.2f} | {ms / total:.1%} |")
     with tempfile.TemporaryDirectory() as tmp:  # start, end and kind of each GPU activity
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -149,9 +148,10 @@ def print_profile(run_step, rows: int, kind: str) -> None:
             "traceEvents"] if e.get("cat") in GPU_ACTIVITY]
     if intervals:
         t = {name: value / 1e3 for name, value in gpu_timeline(intervals).items()}  # µs -> ms
-        print(f"GPU timeline of that step: {t['span']:.1f} ms from its first kernel to its "
-              f"last, busy {t['busy']:.1f}, idle {t['idle']:.1f}, two or more at once "
-              f"{t['overlapped']:.1f}")
+        lines.append(f"GPU timeline of that step: {t['span']:.1f} ms from its first kernel to "
+                     f"its last, busy {t['busy']:.1f}, idle {t['idle']:.1f}, two or more at "
+                     f"once {t['overlapped']:.1f}")
+    return "\n".join(lines)
 
 
 def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device: torch.device,
@@ -199,6 +199,7 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
             host_times.append(issued - start)
     step = statistics.median(times)
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved[0])
+    extra = {}  # the profile's text, the host work's counts
     if profile_rows:
         def one_step():
             if graphed is not None:
@@ -209,15 +210,15 @@ def bench_step(config: ModelConfig, batch: int, steps: int, warmup: int, device:
                 optimizer.zero_grad(set_to_none=True)
             synchronize(device)
 
-        print_profile(one_step, profile_rows, "eager" if graphed is None else "graphed")
-    counts = {}
+        extra["profile"] = profile_report(one_step, profile_rows,
+                                          "eager" if graphed is None else "graphed")
     if count_ops:
-        with count_host_work(counts):
+        with count_host_work(extra):
             forward_backward([{"tokens": inputs, "targets": targets}])
         optimizer.zero_grad(set_to_none=True)
     return {"step_ms": step * 1e3, "host_ms": statistics.median(host_times) * 1e3,
             "tokens_per_s": batch * seq / step, "memory_mb": memory / 2**20,
-            "params_m": model.num_parameters() / 1e6, **counts}
+            "params_m": model.num_parameters() / 1e6, **extra}
 
 
 def main(argv=None) -> None:
@@ -263,6 +264,7 @@ def main(argv=None) -> None:
     print(f"| attention | layers | params (M) | step (ms) | host (ms) | tokens/s | {memory_kind} |"
           + counted)
     print("|---|---|---|---|---|---|---|" + "---|---|" * args.count_ops)
+    profiles = []  # printed after the table
     for attention in args.attention.split(","):
         for layers in (int(n) for n in args.layers.split(",")):
             config = replace_fields(base, kind=attention, num_layers=layers)
@@ -272,6 +274,10 @@ def main(argv=None) -> None:
             print(f"| {attention} | {layers} | {r['params_m']:.1f} | {r['step_ms']:.1f} | "
                   f"{r['host_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['memory_mb']:.1f} |"
                   + counts, flush=True)
+            if "profile" in r:
+                profiles.append(f"\n## {attention}, {layers} layers\n{r['profile']}")
+    for profile in profiles:
+        print(profile)
 
 
 if __name__ == "__main__":

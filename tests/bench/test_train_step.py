@@ -78,3 +78,5 @@ def test_profile_prints_the_kernel_table(capsys):
     out = capsys.readouterr().out
     assert "self GPU time of one eager step" in out and "| kernel | calls | ms | share |" in out
     assert "GPU timeline" not in out
+    assert out.index("| dense | 1 |") < out.index("## dense, 1 layers") < out.index(
+        "self GPU time")
