@@ -14,10 +14,10 @@ not by the GPU.
 ``--profile N`` then runs one more step (graphed with ``--cuda-graph``, else eager) under
 torch.profiler and prints, after the table, its N GPU kernels of largest time and the GPU's
 timeline of that step: busy (some kernel, copy or fill running), idle, and two or more at once
-(streams side by side): where a step's time goes, and whether any of it is left to overlap. ``--count-ops``
-adds the host work of one more eager forward+backward as counts, free of the host's timing
-noise: the aten operators it dispatches (views included) and the Triton kernels it launches;
-two depths' rows give the work a layer adds.
+(streams side by side): where a step's time goes, and whether any of it is left to overlap.
+``--count-ops`` adds the host work of one more eager forward+backward as counts, free of the
+host's timing noise: the aten operators it dispatches (views included) and the Triton kernels it
+launches; two depths' rows give the work a layer adds.
 """
 
 from __future__ import annotations
