@@ -15,6 +15,19 @@ from nsa.layers.documents import PackedDocuments, pack_documents
 from nsa.layers.rope import PositionAngles
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up of gate_up [..., 2·hidden] = [gate | up]: the Triton kernels
+    (nsa/ops/triton/swiglu.py) for CUDA tensors of their dtypes where Triton is installed,
+    PyTorch elsewhere."""
+    if gate_up.is_cuda and TRITON_AVAILABLE and gate_up.dtype in TRITON_DTYPES:
+        from nsa.ops.triton.swiglu import swiglu_triton
+
+        return swiglu_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
@@ -24,8 +37,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 class Block(nn.Module):
