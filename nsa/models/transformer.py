@@ -30,6 +30,17 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy (float32) of logits [N, V] against targets [N] (-100: not
+    counted): the Triton kernels (nsa/ops/triton/cross_entropy.py) for CUDA logits of their
+    dtypes where Triton is installed, ``F.cross_entropy`` of the float32 logits elsewhere."""
+    if logits.is_cuda and TRITON_AVAILABLE and logits.dtype in TRITON_DTYPES:
+        from nsa.ops.triton.cross_entropy import cross_entropy_triton
+
+        return cross_entropy_triton(logits, targets)
+    return F.cross_entropy(logits.float(), targets)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -140,7 +151,7 @@ class LanguageModel(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return next_token_loss(logits.flatten(0, 1), targets.flatten())
 
     def _check_length(self, name: str, length: int) -> None:
         """Refuse more positions than the model was built for (never trained, beyond RoPE's

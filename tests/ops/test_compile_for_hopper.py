@@ -1,10 +1,10 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
-decode step, the cache append, RoPE, the compressors and the MLP's activation make in a CPU run
-compiles for Hopper (sm_90), with its arguments specialized as a GPU launch specializes them
-(alignment, integers of 1), keeps its tensor-core instructions pipelined (no ptxas note that it
-serialized them) but on the rare non-finite paths and in the masked dK/dV (measured faster so),
-and copies nothing into a shared buffer that an unfinished asynchronous tensor-core product
-still reads (``sm90_stack.copy_races``).
+decode step, the cache append, RoPE, the compressors, the MLP's activation and the loss make in
+a CPU run compiles for Hopper (sm_90), with its arguments specialized as a GPU launch
+specializes them (alignment, integers of 1), keeps its tensor-core instructions pipelined (no
+ptxas note that it serialized them) but on the rare non-finite paths and in the masked dK/dV
+(measured faster so), and copies nothing into a shared buffer that an unfinished asynchronous
+tensor-core product still reads (``sm90_stack.copy_races``).
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
@@ -58,6 +58,7 @@ EXPECTED = {
     "compressor._compress_fwd_kernel", "compressor._hidden_grad_kernel",
     "compressor._input_grad_kernel", "compressor._weight_grads_kernel",
     "swiglu._swiglu_fwd_kernel", "swiglu._swiglu_bwd_kernel",
+    "cross_entropy._cross_entropy_fwd_kernel", "cross_entropy._cross_entropy_bwd_kernel",
 }
 
 
@@ -229,6 +230,15 @@ def swiglu_forward_backward(dtype, hidden=40):
     swiglu_triton(gate_up).float().sum().backward()
 
 
+def loss_forward_backward(dtype, vocab=5000):
+    """The model's loss (nsa/ops/triton/cross_entropy.py) forward and backward: two steps of
+    classes, an ignored target."""
+    from nsa.ops.triton.cross_entropy import cross_entropy_triton
+
+    logits = torch.randn(3, vocab).to(dtype).requires_grad_()
+    cross_entropy_triton(logits, torch.tensor([1, -100, vocab - 1])).backward()
+
+
 def in_chunks(work):
     """``work`` with the per-block selected kernels run over chunks of positions (their
     partials' budget made small), so that dK/dV are added up over the chunks in the kernels."""
@@ -253,6 +263,7 @@ def everything():
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
         swiglu_forward_backward(dtype)
+        loss_forward_backward(dtype)
     attention_forward_backward(torch.float32, 300, window=130)
     attention_forward_backward(torch.bfloat16, 40, window=9, heads=(2, 2))  # G = 1: step stages
     # G = 4 at the paper's head dim (the window dK/dV's transposed tiles, descriptor loads of
