@@ -16,7 +16,7 @@ def main(argv=None):
     args, data = plot_arguments(__doc__, argv)
     rows = data["rows"]
     shapes = sorted({(r["batch"], r["seq"]) for r in rows}, key=lambda s: s[1])
-    modes = sorted({r["mode"] for r in rows}, key=lambda m: m != "eager")  # eager first
+    modes = sorted({r["mode"] for r in rows}, key=lambda m: (m != "eager", m))  # eager first
     kinds = sorted({r["attention"] for r in rows}, key=lambda k: k != "nsa")
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
     for ax, (batch, seq) in zip(axes[0], shapes):
