@@ -1,10 +1,10 @@
 """The Triton cross-entropy (nsa/ops/triton/cross_entropy.py) equals ``F.cross_entropy`` in
-float64, forward and backward: one step of classes and several with a partial last one,
-ignored targets (-100), a loss gradient other than 1, logits with a row stride above their
-width, 16-bit logits (on a GPU) with the gradient in their dtype; no counted row gives NaN as
-PyTorch does, a target out of range makes the loss NaN, bad shapes and float targets are
-refused, the ops pass opcheck, and a CPU model keeps ``F.cross_entropy``. On a machine without
-CUDA it runs in Triton's interpreter."""
+float64, forward and backward: one step of classes and several with a partial last one, ignored
+targets (-100), a loss gradient other than 1, logits with a row stride above their width, 16-bit
+logits (on a GPU) with the gradient in their dtype; no counted row (or no row) gives NaN as
+PyTorch does, a target out of range makes the loss NaN, bad shapes, no classes and float targets
+are refused, the ops pass opcheck, and a CPU model keeps ``F.cross_entropy``. On a machine
+without CUDA it runs in Triton's interpreter."""
 
 from unittest import mock
 
@@ -60,6 +60,13 @@ def test_no_counted_row_gives_nan_as_pytorch():
     assert F.cross_entropy(logits, targets).isnan()
 
 
+def test_no_rows_give_nan_and_an_empty_gradient_as_pytorch():
+    logits = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    loss = cross_entropy_triton(logits, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    loss.backward()
+    assert loss.isnan() and logits.grad.shape == (0, 8)
+
+
 def test_a_target_out_of_range_makes_the_loss_nan():
     logits = torch.randn(3, 8, device=DEVICE)
     assert cross_entropy_triton(logits, torch.tensor([0, 8, 3], device=DEVICE)).isnan()
@@ -72,6 +79,8 @@ def test_bad_inputs_are_refused():
         cross_entropy_triton(logits, torch.zeros(4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match=r"logits \[N, V\]"):
         cross_entropy_triton(logits[None], torch.zeros(3, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="at least one class"):
+        cross_entropy_triton(logits[:, :0], torch.zeros(3, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="integer targets"):
         cross_entropy_triton(logits, torch.zeros(3, device=DEVICE))
 

@@ -55,6 +55,15 @@ def test_swiglu_equals_float64_forward_and_backward(shape, dtype, strided):
     torch.testing.assert_close(d_gate_up.double(), d_ref, **tol)
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0), (3, 0, 6)], ids=["no-rows", "no-width",
+                                                                   "empty-batch"])
+def test_empty_inputs_give_empty_outputs_and_gradients(shape):
+    gate_up = torch.randn(*shape, device=DEVICE, requires_grad=True)
+    out = swiglu_triton(gate_up)
+    out.sum().backward()
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and gate_up.grad.shape == shape
+
+
 def test_an_odd_width_is_refused():
     with pytest.raises(ValueError, match="halves"):
         swiglu_triton(torch.randn(2, 5, device=DEVICE))

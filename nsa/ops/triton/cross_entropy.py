@@ -153,6 +153,8 @@ def cross_entropy_triton(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"cross_entropy takes logits [N, V] and targets [N], got "
                          f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    if logits.shape[1] == 0:
+        raise ValueError("cross_entropy takes logits of at least one class, got 0")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise ValueError(f"cross_entropy takes integer targets, got {targets.dtype}")
     return _CrossEntropyFunction.apply(logits, targets.contiguous())

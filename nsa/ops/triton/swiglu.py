@@ -70,7 +70,7 @@ def _swiglu_bwd_kernel(X, DOUT, DX, N, HIDDEN, stride_xn, stride_dn, stride_dxn,
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., C] as [N, C] rows with a last stride of 1 (a view where it can be)."""
-    x = x.reshape(-1, x.shape[-1])
+    x = x.reshape(x.shape[:-1].numel(), x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -83,6 +83,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     hidden = gate_up.shape[-1] // 2
     x = _rows(gate_up)
     out = torch.empty(*gate_up.shape[:-1], hidden, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
     _swiglu_fwd_kernel[_grid(x.shape[0], hidden)](
         x, out, x.shape[0], hidden, x.stride(0), hidden, ROWS=SWIGLU_ROWS,
         COLUMNS=SWIGLU_COLUMNS)
@@ -94,6 +96,8 @@ def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     hidden = gate_up.shape[-1] // 2
     x, dout = _rows(gate_up), _rows(grad)
     dx = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    if dx.numel() == 0:
+        return dx
     _swiglu_bwd_kernel[_grid(x.shape[0], hidden)](
         x, dout, dx, x.shape[0], hidden, x.stride(0), dout.stride(0), 2 * hidden,
         ROWS=SWIGLU_ROWS, COLUMNS=SWIGLU_COLUMNS)
