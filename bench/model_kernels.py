@@ -1,0 +1,123 @@
+"""The language model's own kernels against the PyTorch forms they replace, forward+backward at
+a training shape: the MLP activation (silu(gate) · up, nsa/ops/triton/swiglu.py) and the loss
+(the mean cross-entropy, nsa/ops/triton/cross_entropy.py).
+
+    python bench/model_kernels.py                          # m7c-125m: 8 x 2048 tokens, bf16
+    python bench/model_kernels.py --tokens 4096 --json model_kernels.json
+
+Each row: the PyTorch form as the model ran it before (``F.silu(gate) * up`` of the product's
+halves; ``F.cross_entropy`` of the float32 logits) and the kernels, each timed over one forward
+and its backward (``triton.testing.do_bench`` on CUDA, the median of ``--repeats`` on the CPU,
+where the kernels run in Triton's interpreter), and the largest difference of their outputs
+and input gradients, which must agree to the dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from nsa.train.checkpoint import atomic_write_json
+
+
+def _pytorch_activation(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _pytorch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets)
+
+
+def cases(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device):
+    """(name, PyTorch form, kernel form, inputs, the leaf whose gradient is compared, the
+    output's gradient) of each kernel; inputs seeded."""
+    from nsa.ops.triton.cross_entropy import cross_entropy_triton
+    from nsa.ops.triton.swiglu import swiglu_triton
+
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(tokens, 2 * hidden, generator=g).to(device, dtype).requires_grad_()
+    d_activation = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    logits = torch.randn(tokens, vocab, generator=g).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    return [
+        ("MLP activation", _pytorch_activation, swiglu_triton, (gate_up,), gate_up,
+         d_activation),
+        ("loss", _pytorch_loss, cross_entropy_triton, (logits, targets), logits,
+         torch.ones((), device=device)),
+    ]
+
+
+def time_ms(fn, device: torch.device, repeats: int) -> float:
+    """Milliseconds of one call of ``fn``."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=10, rep=100)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def forward_backward(form, inputs, leaf: torch.Tensor, grad: torch.Tensor):
+    """(form's output, the leaf's gradient) of one forward and its backward."""
+    out = form(*inputs)
+    return out, torch.autograd.grad(out, leaf, grad)[0]
+
+
+def run(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
+        repeats: int) -> list[dict]:
+    rows = []
+    for name, pytorch_form, kernel_form, inputs, leaf, grad in cases(tokens, hidden, vocab,
+                                                                     dtype, device):
+        args = inputs, leaf, grad
+        out, leaf_grad = forward_backward(kernel_form, *args)
+        ref, ref_grad = forward_backward(pytorch_form, *args)
+        rows.append({
+            "kernel": name, "tokens": tokens,
+            "pytorch_ms": time_ms(partial(forward_backward, pytorch_form, *args), device,
+                                  repeats),
+            "triton_ms": time_ms(partial(forward_backward, kernel_form, *args), device,
+                                 repeats),
+            "max_out_diff": (out.float() - ref.float()).abs().max().item(),
+            "max_grad_diff": (leaf_grad.float() - ref_grad.float()).abs().max().item(),
+        })
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8 * 2048, help="rows (batch x sequence)")
+    parser.add_argument("--hidden", type=int, default=2048, help="the MLP's hidden width")
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls on the CPU")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = run(args.tokens, args.hidden, args.vocab, dtype, device, args.repeats)
+    print(f"# {name}, {args.tokens} tokens, hidden {args.hidden}, vocabulary {args.vocab}, "
+          f"{args.dtype}, forward+backward")
+    print("| kernel | PyTorch (ms) | Triton (ms) | speed-up | max out diff | max grad diff |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['pytorch_ms']:.3f} | {r['triton_ms']:.3f} | "
+              f"{r['pytorch_ms'] / r['triton_ms']:.2f}x | {r['max_out_diff']:.2e} | "
+              f"{r['max_grad_diff']:.2e} |")
+    if args.json:
+        atomic_write_json(args.json, {"device": name, "dtype": args.dtype, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""bench/model_kernels.py on the CPU (the kernels in Triton's interpreter, tiny shapes): one row
+per kernel, with times and the kernels' agreement with the PyTorch forms, and its JSON."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+pytest.importorskip("triton")
+
+import model_kernels  # noqa: E402
+
+
+def test_model_kernels_table_and_json(capsys, tmp_path):
+    out = tmp_path / "rows.json"
+    model_kernels.main(["--tokens", "6", "--hidden", "40", "--vocab", "300", "--dtype", "fp32",
+                        "--device", "cpu", "--repeats", "1", "--json", str(out)])
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| MLP") or line.startswith("| loss")]
+    assert [line.split("|")[1].strip() for line in lines] == ["MLP activation", "loss"]
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        assert row["pytorch_ms"] > 0 and row["triton_ms"] > 0
+        assert row["max_out_diff"] < 1e-5 and row["max_grad_diff"] < 1e-5
