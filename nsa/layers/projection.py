@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa.layers.rope import rotate_torch
-from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
+from nsa.ops.triton_support import triton_takes
 
 FUSED_ALIGN = 8  # elements: 16 bytes in bf16, what vector loads and TMA descriptors need
 
@@ -153,7 +153,7 @@ class HeadsLayout:
 def _use_kernel(y: torch.Tensor) -> bool:
     """Whether ``split_heads`` rotates with the Triton RoPE kernel (CUDA tensors of its dtypes
     where Triton is installed) or with :func:`rotate_torch`."""
-    return y.is_cuda and TRITON_AVAILABLE and y.dtype in TRITON_DTYPES
+    return triton_takes(y)
 
 
 def _rotated(xs: list[torch.Tensor], cos, sin, kernel: bool) -> list[torch.Tensor]:

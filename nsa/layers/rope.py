@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
+from nsa.ops.triton_support import triton_takes
 
 
 def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
@@ -92,7 +92,7 @@ def rotate_many(xs: Sequence[torch.Tensor], cos: torch.Tensor,
                 "rotate_many's tensors must agree in B, T, D, dtype and device, got "
                 f"{tuple(x.shape)} {x.dtype} {x.device} and "
                 f"{tuple(other.shape)} {other.dtype} {other.device}")
-    if x.is_cuda and TRITON_AVAILABLE and x.dtype in TRITON_DTYPES:
+    if triton_takes(x):
         from nsa.ops.triton.rope import rope_triton_many
 
         return rope_triton_many(xs, cos, sin)

@@ -15,14 +15,14 @@ from nsa.layers.documents import PackedDocuments, pack_documents
 from nsa.layers.rope import PositionAngles
 from nsa.models.config import ModelConfig
 from nsa.models.decoding import stream_tokens
-from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
+from nsa.ops.triton_support import triton_takes
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up of gate_up [..., 2·hidden] = [gate | up]: the Triton kernels
     (nsa/ops/triton/swiglu.py) for CUDA tensors of their dtypes where Triton is installed,
     PyTorch elsewhere."""
-    if gate_up.is_cuda and TRITON_AVAILABLE and gate_up.dtype in TRITON_DTYPES:
+    if triton_takes(gate_up):
         from nsa.ops.triton.swiglu import swiglu_triton
 
         return swiglu_triton(gate_up)
@@ -34,7 +34,7 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """The mean cross-entropy (float32) of logits [N, V] against targets [N] (-100: not
     counted): the Triton kernels (nsa/ops/triton/cross_entropy.py) for CUDA logits of their
     dtypes where Triton is installed, ``F.cross_entropy`` of the float32 logits elsewhere."""
-    if logits.is_cuda and TRITON_AVAILABLE and logits.dtype in TRITON_DTYPES:
+    if triton_takes(logits):
         from nsa.ops.triton.cross_entropy import cross_entropy_triton
 
         return cross_entropy_triton(logits, targets)

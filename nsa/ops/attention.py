@@ -17,6 +17,7 @@ from nsa.ops.triton_support import (
     TRITON_DTYPES,
     TRITON_INTERPRET,
     TRITON_MISSING_REASON,
+    triton_takes,
 )
 
 # Largest block parameters the Triton kernels take: a selection block is one tile of keys,
@@ -46,8 +47,7 @@ def _resolve_backend(backend: str, q: torch.Tensor, params: NSAParams | None = N
     check_backend(backend)
     if backend == "auto":
         fits = triton_limits_problem(params) is None
-        use_triton = q.is_cuda and TRITON_AVAILABLE and q.dtype in TRITON_DTYPES and fits
-        return "triton" if use_triton else "torch"
+        return "triton" if triton_takes(q) and fits else "torch"
     if backend == "triton":
         problem = triton_limits_problem(params)
         if problem is not None:
