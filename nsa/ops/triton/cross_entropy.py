@@ -25,7 +25,7 @@ import torch
 import triton.language as tl
 
 from nsa.ops.triton.jit import kernel
-from nsa.ops.triton.launch import call_op
+from nsa.ops.triton.launch import call_op, unit_stride
 
 IGNORE_INDEX = -100
 BLOCK_V = 4096  # classes per step of a row's loop
@@ -79,15 +79,11 @@ def _cross_entropy_bwd_kernel(LOGITS, TARGETS, LSE, SCALE, DLOGITS, V, stride_n,
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _unit_rows(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
-
-
 def cross_entropy_rows(logits: torch.Tensor,
                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's loss, each row's log-sum-exp), float32 [N], of logits [N, V] and int
     targets [N] (module docstring)."""
-    logits = _unit_rows(logits)
+    logits = unit_stride(logits)
     N, V = logits.shape
     loss = torch.empty(N, dtype=torch.float32, device=logits.device)
     lse = torch.empty(N, dtype=torch.float32, device=logits.device)
@@ -101,7 +97,7 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: tor
                            scale: torch.Tensor) -> torch.Tensor:
     """The logits' gradient [N, V] in their dtype, (softmax - one-hot) · scale (a float32
     [1] tensor: the loss's gradient over the count), 0 on rows of ignored targets."""
-    logits = _unit_rows(logits)
+    logits = unit_stride(logits)
     N, V = logits.shape
     grad = torch.empty(N, V, dtype=logits.dtype, device=logits.device)
     if N:

@@ -22,7 +22,7 @@ import torch
 import triton.language as tl
 
 from nsa.ops.triton.jit import kernel
-from nsa.ops.triton.launch import call_op, cdiv
+from nsa.ops.triton.launch import call_op, cdiv, unit_stride
 
 SWIGLU_ROWS = 4  # tokens per program
 SWIGLU_COLUMNS = 1024  # hidden units per program
@@ -70,8 +70,7 @@ def _swiglu_bwd_kernel(X, DOUT, DX, N, HIDDEN, stride_xn, stride_dn, stride_dxn,
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., C] as [N, C] rows with a last stride of 1 (a view where it can be)."""
-    x = x.reshape(x.shape[:-1].numel(), x.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return unit_stride(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
 
 
 def _grid(N: int, hidden: int) -> tuple[int, int]:
