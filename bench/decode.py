@@ -47,9 +47,10 @@ DECODE_KERNELS = ("_compressed_kernel", "_select_kernel", "_selected_kernel")
 LAYER_STEPS = 8  # layers' steps in one graph, each on its own cache ("nsa-triton+graph8")
 
 
-def bench(fn) -> float:
-    """Median ms of fn(): ``do_bench`` on the GPU, wall time of a few calls on the CPU."""
-    if CUDA:
+def bench(fn, cuda: bool = CUDA) -> float:
+    """Median ms of fn(): ``do_bench`` where ``cuda`` (the GPU's tensors), wall time of a few
+    calls otherwise."""
+    if cuda:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=10, rep=100, return_mode="median")

@@ -7,20 +7,19 @@ a training shape: the MLP activation (silu(gate) · up, nsa/ops/triton/swiglu.py
 
 Each row: the PyTorch form as the model ran it before (``F.silu(gate) * up`` of the product's
 halves; ``F.cross_entropy`` of the float32 logits) and the kernels, each timed over one forward
-and its backward (``triton.testing.do_bench`` on CUDA, the median of ``--repeats`` on the CPU,
-where the kernels run in Triton's interpreter), and the largest difference of their outputs
-and input gradients, which must agree to the dtype's rounding.
+and its backward (bench/decode.py's ``bench``: ``triton.testing.do_bench`` on CUDA, the median
+of a few calls on the CPU, where the kernels run in Triton's interpreter), and the largest
+difference of their outputs and input gradients, which must agree to the dtype's rounding.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from decode import bench
 
 from nsa.train.checkpoint import atomic_write_json
 
@@ -53,29 +52,15 @@ def cases(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torc
     ]
 
 
-def time_ms(fn, device: torch.device, repeats: int) -> float:
-    """Milliseconds of one call of ``fn``."""
-    if device.type == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=10, rep=100)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def forward_backward(form, inputs, leaf: torch.Tensor, grad: torch.Tensor):
     """(form's output, the leaf's gradient) of one forward and its backward."""
     out = form(*inputs)
     return out, torch.autograd.grad(out, leaf, grad)[0]
 
 
-def run(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device,
-        repeats: int) -> list[dict]:
-    rows = []
+def run(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
+        device: torch.device) -> list[dict]:
+    rows, cuda = [], device.type == "cuda"
     for name, pytorch_form, kernel_form, inputs, leaf, grad in cases(tokens, hidden, vocab,
                                                                      dtype, device):
         args = inputs, leaf, grad
@@ -83,10 +68,8 @@ def run(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.
         ref, ref_grad = forward_backward(pytorch_form, *args)
         rows.append({
             "kernel": name, "tokens": tokens,
-            "pytorch_ms": time_ms(partial(forward_backward, pytorch_form, *args), device,
-                                  repeats),
-            "triton_ms": time_ms(partial(forward_backward, kernel_form, *args), device,
-                                 repeats),
+            "pytorch_ms": bench(partial(forward_backward, pytorch_form, *args), cuda),
+            "triton_ms": bench(partial(forward_backward, kernel_form, *args), cuda),
             "max_out_diff": (out.float() - ref.float()).abs().max().item(),
             "max_grad_diff": (leaf_grad.float() - ref_grad.float()).abs().max().item(),
         })
@@ -100,13 +83,12 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls on the CPU")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = run(args.tokens, args.hidden, args.vocab, dtype, device, args.repeats)
+    rows = run(args.tokens, args.hidden, args.vocab, dtype, device)
     print(f"# {name}, {args.tokens} tokens, hidden {args.hidden}, vocabulary {args.vocab}, "
           f"{args.dtype}, forward+backward")
     print("| kernel | PyTorch (ms) | Triton (ms) | speed-up | max out diff | max grad diff |")

@@ -17,7 +17,7 @@ import model_kernels  # noqa: E402
 def test_model_kernels_table_and_json(capsys, tmp_path):
     out = tmp_path / "rows.json"
     model_kernels.main(["--tokens", "6", "--hidden", "40", "--vocab", "300", "--dtype", "fp32",
-                        "--device", "cpu", "--repeats", "1", "--json", str(out)])
+                        "--device", "cpu", "--json", str(out)])
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("| MLP") or line.startswith("| loss")]
     assert [line.split("|")[1].strip() for line in lines] == ["MLP activation", "loss"]
