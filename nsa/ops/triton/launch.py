@@ -298,6 +298,12 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] as rows [N, C] with a last stride of 1: a view where one exists, else
+    :func:`unit_stride`'s copy (the row-wise kernels of the model: its activation, its norms)."""
+    return unit_stride(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
+
+
 def tile_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor | None:
     """A tensor descriptor (TMA loads) of x whose loads are ``box``-shaped tiles (zeros past
     x's edges), or None where TMA cannot read x: an empty x, a box dim that is not a power of

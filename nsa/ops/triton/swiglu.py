@@ -22,7 +22,7 @@ import torch
 import triton.language as tl
 
 from nsa.ops.triton.jit import kernel
-from nsa.ops.triton.launch import call_op, cdiv, unit_stride
+from nsa.ops.triton.launch import as_rows, call_op, cdiv
 
 SWIGLU_ROWS = 4  # tokens per program
 SWIGLU_COLUMNS = 1024  # hidden units per program
@@ -68,11 +68,6 @@ def _swiglu_bwd_kernel(X, DOUT, DX, N, HIDDEN, stride_xn, stride_dn, stride_dxn,
 # Launch wrappers -------------------------------------------------------------------------
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., C] as [N, C] rows with a last stride of 1 (a view where it can be)."""
-    return unit_stride(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
-
-
 def _grid(N: int, hidden: int) -> tuple[int, int]:
     return cdiv(N, SWIGLU_ROWS), cdiv(hidden, SWIGLU_COLUMNS)
 
@@ -80,7 +75,7 @@ def _grid(N: int, hidden: int) -> tuple[int, int]:
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up [..., hidden] of gate_up [..., 2·hidden] = [gate | up], in its dtype."""
     hidden = gate_up.shape[-1] // 2
-    x = _rows(gate_up)
+    x = as_rows(gate_up)
     out = torch.empty(*gate_up.shape[:-1], hidden, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
@@ -93,7 +88,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up's gradient (its shape and dtype, contiguous) from the output's ``grad``."""
     hidden = gate_up.shape[-1] // 2
-    x, dout = _rows(gate_up), _rows(grad)
+    x, dout = as_rows(gate_up), as_rows(grad)
     dx = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
     if dx.numel() == 0:
         return dx
