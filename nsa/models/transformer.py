@@ -41,6 +41,43 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float(), targets)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (its parameters, state and CPU path) through the Triton kernels
+    (nsa/ops/triton/rms_norm.py) for CUDA tensors of their dtypes where Triton is installed.
+    There the output is written in autocast's dtype while autocast runs (the projections that
+    read it would cast it to that; x's dtype otherwise, as ``nn.RMSNorm``)."""
+
+    def _kernels_take(self, *xs: torch.Tensor) -> bool:
+        from nsa.ops.triton.rms_norm import RMS_MAX_WIDTH
+
+        return (self.weight is not None and all(triton_takes(x) for x in xs)
+                and xs[0].shape[-1] <= RMS_MAX_WIDTH)
+
+    @staticmethod
+    def _out_dtype(x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._kernels_take(x):
+            return super().forward(x)
+        from nsa.ops.triton.rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, self.weight, self.eps, self._out_dtype(x))
+
+    def add_forward(self, x: torch.Tensor, update: torch.Tensor):
+        """(h, norm(h)) of the residual update h = x + update, in one pass where the kernels
+        take both."""
+        if not self._kernels_take(x, update):
+            h = x + update
+            return h, self(h)
+        from nsa.ops.triton.rms_norm import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, update, self.weight, self.eps,
+                                   self._out_dtype(x))
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -54,15 +91,19 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = attention_layer(config.attention)
-        self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.hidden_dim)
 
     def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None,
                 angles: PositionAngles | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), documents, angles)
-        return x + self.mlp(self.mlp_norm(x))
+        return self._mlp_residual(x, self.attn(self.attn_norm(x), documents, angles))
+
+    def _mlp_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """h + mlp(norm(h)) of h = x + attn_out (the add and the norm in one pass)."""
+        h, normed = self.mlp_norm.add_forward(x, attn_out)
+        return h + self.mlp(normed)
 
     def new_cache(self, batch: int, capacity: int, device, dtype):
         """The attention layer's decode cache (a method of the block so that FSDP2 gathers the
@@ -70,13 +111,12 @@ class Block(nn.Module):
         return self.attn.new_cache(batch, capacity, device, dtype)
 
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
-        x = x + self.attn.prefill(self.attn_norm(x), lengths, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return self._mlp_residual(x, self.attn.prefill(self.attn_norm(x), lengths, cache))
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache, compress: bool = True,
                angles: PositionAngles | None = None) -> torch.Tensor:
-        x = x + self.attn.decode(self.attn_norm(x), pos, cache, compress, angles)
-        return x + self.mlp(self.mlp_norm(x))
+        return self._mlp_residual(x, self.attn.decode(self.attn_norm(x), pos, cache, compress,
+                                                      angles))
 
 
 @dataclass
@@ -100,7 +140,7 @@ class LanguageModel(nn.Module):
         self.checkpoint_blocks = False  # activation checkpointing per block (set by the trainer)
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight

@@ -16,11 +16,12 @@ import model_kernels  # noqa: E402
 
 def test_model_kernels_table_and_json(capsys, tmp_path):
     out = tmp_path / "rows.json"
-    model_kernels.main(["--tokens", "6", "--hidden", "40", "--vocab", "300", "--dtype", "fp32",
-                        "--device", "cpu", "--json", str(out)])
+    model_kernels.main(["--tokens", "6", "--dim", "24", "--hidden", "40", "--vocab", "300",
+                        "--dtype", "fp32", "--device", "cpu", "--json", str(out)])
+    names = ["RMSNorm", "add + RMSNorm", "MLP activation", "loss"]
     lines = [line for line in capsys.readouterr().out.splitlines()
-             if line.startswith("| MLP") or line.startswith("| loss")]
-    assert [line.split("|")[1].strip() for line in lines] == ["MLP activation", "loss"]
+             if line.split("|")[1:2] and line.split("|")[1].strip() in names]
+    assert [line.split("|")[1].strip() for line in lines] == names
     rows = json.loads(out.read_text())["rows"]
     for row in rows:
         assert row["pytorch_ms"] > 0 and row["triton_ms"] > 0

@@ -1,6 +1,7 @@
-"""On a GPU the language model runs its MLP activation and its loss through the Triton kernels
-(nsa/ops/triton/swiglu.py, cross_entropy.py), with the loss and gradients of their PyTorch
-forms under bf16 autocast, and less peak memory."""
+"""On a GPU the language model runs its norms (the residual add before the MLP's in the same
+pass), its MLP activation and its loss through the Triton kernels (nsa/ops/triton/rms_norm.py,
+swiglu.py, cross_entropy.py), with the loss and gradients of their PyTorch forms under bf16
+autocast, and less peak memory."""
 
 from unittest import mock
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not TRITON_AVAI
 
 def test_the_model_trains_the_same_through_its_kernels():
     import nsa.ops.triton.cross_entropy as ce_module
+    import nsa.ops.triton.rms_norm as rms_module
     import nsa.ops.triton.swiglu as swiglu_module
     from nsa.models import LanguageModel
     from nsa.train import build_config
@@ -39,9 +41,14 @@ def test_the_model_trains_the_same_through_its_kernels():
     with mock.patch.object(swiglu_module, "swiglu_triton",
                            wraps=swiglu_module.swiglu_triton) as swiglu, \
             mock.patch.object(ce_module, "cross_entropy_triton",
-                              wraps=ce_module.cross_entropy_triton) as loss_kernel:
+                              wraps=ce_module.cross_entropy_triton) as loss_kernel, \
+            mock.patch.object(rms_module, "rms_norm_triton",
+                              wraps=rms_module.rms_norm_triton) as norm, \
+            mock.patch.object(rms_module, "add_rms_norm_triton",
+                              wraps=rms_module.add_rms_norm_triton) as add_norm:
         loss, grads, peak = loss_and_grads()
     assert swiglu.call_count == config.num_layers and loss_kernel.call_count == 1
+    assert norm.call_count == config.num_layers + 1 and add_norm.call_count == config.num_layers
     with mock.patch.object(transformer, "triton_takes", lambda x: False):  # PyTorch's forms
         ref_loss, ref_grads, ref_peak = loss_and_grads()
     torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=2e-3)

@@ -1,6 +1,6 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
-decode step, the cache append, RoPE, the compressors, the MLP's activation and the loss make in
-a CPU run compiles for Hopper (sm_90), with its arguments specialized as a GPU launch
+decode step, the cache append, RoPE, the compressors, the model's norms, MLP activation and
+loss make in a CPU run compiles for Hopper (sm_90), with its arguments specialized as a GPU launch
 specializes them (alignment, integers of 1), keeps its tensor-core instructions pipelined (no
 ptxas note that it serialized them) but on the rare non-finite paths and in the masked dK/dV
 (measured faster so), and copies nothing into a shared buffer that an unfinished asynchronous
@@ -58,6 +58,7 @@ EXPECTED = {
     "compressor._compress_fwd_kernel", "compressor._hidden_grad_kernel",
     "compressor._input_grad_kernel", "compressor._weight_grads_kernel",
     "swiglu._swiglu_fwd_kernel", "swiglu._swiglu_bwd_kernel",
+    "rms_norm._rms_norm_fwd_kernel", "rms_norm._rms_norm_bwd_kernel",
     "cross_entropy._cross_entropy_fwd_kernel", "cross_entropy._cross_entropy_bwd_kernel",
 }
 
@@ -230,6 +231,20 @@ def swiglu_forward_backward(dtype, hidden=40):
     swiglu_triton(gate_up).float().sum().backward()
 
 
+def norm_forward_backward(dtype, width=40):
+    """The model's RMSNorm (nsa/ops/triton/rms_norm.py), alone and after a residual add, forward
+    and backward, with a float32 weight and a 16-bit output as under autocast; and rows of
+    m7c-125m's width."""
+    from nsa.ops.triton.rms_norm import add_rms_norm_triton, rms_norm_triton
+
+    for w in (width, 768):
+        x, update = (torch.randn(3, w).to(dtype).requires_grad_() for _ in range(2))
+        weight = torch.ones(w, requires_grad=True)
+        h, y = add_rms_norm_triton(x, update, weight, 1e-5, torch.bfloat16)
+        z = rms_norm_triton(h, weight, 1e-5, torch.bfloat16)
+        (h.float().sum() + y.float().sum() + z.float().sum()).backward()
+
+
 def loss_forward_backward(dtype, vocab=5000):
     """The model's loss (nsa/ops/triton/cross_entropy.py) forward and backward: two steps of
     classes, an ignored target."""
@@ -263,6 +278,7 @@ def everything():
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
         swiglu_forward_backward(dtype)
+        norm_forward_backward(dtype)
         loss_forward_backward(dtype)
     attention_forward_backward(torch.float32, 300, window=130)
     attention_forward_backward(torch.bfloat16, 40, window=9, heads=(2, 2))  # G = 1: step stages
