@@ -66,9 +66,11 @@ class RMSNorm(nn.RMSNorm):
 
         return rms_norm_triton(x, self.weight, self.eps, self._out_dtype(x))
 
-    def add_forward(self, x: torch.Tensor, update: torch.Tensor):
-        """(h, norm(h)) of the residual update h = x + update, in one pass where the kernels
-        take both."""
+    def add_forward(self, x: torch.Tensor, update: torch.Tensor | None):
+        """(h, norm(h)) of the residual update h = x + update (x where update is None), in one
+        pass where the kernels take both."""
+        if update is None:
+            return x, self(x)
         if not self._kernels_take(x, update):
             h = x + update
             return h, self(h)
@@ -96,12 +98,20 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.hidden_dim)
 
-    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None,
-                angles: PositionAngles | None = None) -> torch.Tensor:
-        return self._mlp_residual(x, self.attn(self.attn_norm(x), documents, angles))
+    def forward(self, x: torch.Tensor, update: torch.Tensor | None = None,
+                documents: PackedDocuments | None = None,
+                angles: PositionAngles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual, update) of the residual stream x [B, T, dim] and the update the block
+        before left to add to it (None: none): the block's output is their sum, left to the
+        norm after it (the next block's, the model's) to form in its pass, as each norm here
+        forms the sum it reads."""
+        x, normed = self.attn_norm.add_forward(x, update)
+        x, normed = self.mlp_norm.add_forward(x, self.attn(normed, documents, angles))
+        return x, self.mlp(normed)
 
     def _mlp_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """h + mlp(norm(h)) of h = x + attn_out (the add and the norm in one pass)."""
+        """h + mlp(norm(h)) of h = x + attn_out (the add and the norm in one pass): the block's
+        output in prefill and decode."""
         h, normed = self.mlp_norm.add_forward(x, attn_out)
         return h + self.mlp(normed)
 
@@ -183,12 +193,14 @@ class LanguageModel(nn.Module):
         # Every layer has the same RoPE frequencies (one attention config): the angles of the
         # positions once per forward, not per layer (a few small kernels each).
         angles = self.blocks[0].attn.position_angles(tokens.shape[1], documents, tokens.device)
+        update = None  # each block's output is x + update, added in the next norm's pass
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(block, x, documents, angles, use_reentrant=False)  # recomputed
+                x, update = checkpoint(block, x, update, documents, angles,
+                                       use_reentrant=False)  # recomputed
             else:
-                x = block(x, documents, angles)
-        logits = self.head(self.norm(x))
+                x, update = block(x, update, documents, angles)
+        logits = self.head(self.norm.add_forward(x, update)[1])
         if targets is None:
             return logits
         return next_token_loss(logits.flatten(0, 1), targets.flatten())

@@ -206,12 +206,17 @@ class _AddRMSNormFunction(torch.autograd.Function):
         h, y, rstd = call_op(rms_norm_op, rms_norm_forward, x, update, weight, eps, out_dtype)
         ctx.save_for_backward(h, weight, rstd)
         ctx.dtypes = x.dtype, update.dtype
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
         return h, y
 
     @staticmethod
     def backward(ctx, grad_h, grad_y):
         h, weight, rstd = ctx.saved_tensors
-        x_dtype, update_dtype = ctx.dtypes  # (autograd gives zeros for an unused output)
+        x_dtype, update_dtype = ctx.dtypes
+        if grad_y is None:  # y unused: the add's backward alone
+            if grad_h is None:
+                return None, None, None, None, None
+            return grad_h.to(x_dtype), grad_h.to(update_dtype), None, None, None
         grads = call_op(rms_norm_backward_op, rms_norm_backward, grad_y, grad_h, h, weight,
                         rstd, update_dtype)
         dh, dweight = grads[0], grads[-1]
