@@ -9,9 +9,11 @@ mean cross-entropy, nsa/ops/triton/cross_entropy.py).
 Each row: the PyTorch form as the model ran it before (``F.rms_norm`` of the float32 residual
 stream, its output cast once to the dtype as autocast's projections cast it, after ``x +
 update`` in the second row; ``F.silu(gate) * up`` of the product's halves; ``F.cross_entropy``
-of the float32 logits) and the kernels, each timed over one forward
-and its backward (bench/decode.py's ``bench``: ``triton.testing.do_bench`` on CUDA, the median
-of a few calls on the CPU, where the kernels run in Triton's interpreter), and the largest
+of the float32 logits) and the kernels, each timed over one forward and its backward
+(bench/decode.py's ``bench``: on CUDA ``triton.testing.do_bench`` of the pair captured in a
+CUDA graph, as the trainer's graphed step runs them, so that the GPU's time is measured and
+not the host's launch path, which the norms' Python autograd functions exceed; the median of a
+few calls on the CPU, where the kernels run in Triton's interpreter), and the largest
 difference of their outputs and input gradients, which must agree to the dtype's rounding.
 """
 
@@ -22,7 +24,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from decode import bench
+from decode import bench, graphed
 
 from nsa.train.checkpoint import atomic_write_json
 
@@ -87,6 +89,11 @@ def forward_backward(form, inputs, leaf: torch.Tensor, grad):
     return outs[-1], torch.autograd.grad(outs, leaf, grads)[0]
 
 
+def timed(fn, cuda: bool) -> float:
+    """Median ms of fn(): its CUDA graph's replay on CUDA (module docstring)."""
+    return bench(graphed(fn) if cuda else fn, cuda)
+
+
 def run(tokens: int, dim: int, hidden: int, vocab: int, dtype: torch.dtype,
         device: torch.device) -> list[dict]:
     rows, cuda = [], device.type == "cuda"
@@ -97,8 +104,8 @@ def run(tokens: int, dim: int, hidden: int, vocab: int, dtype: torch.dtype,
         ref, ref_grad = forward_backward(pytorch_form, *args)
         rows.append({
             "kernel": name, "tokens": tokens,
-            "pytorch_ms": bench(partial(forward_backward, pytorch_form, *args), cuda),
-            "triton_ms": bench(partial(forward_backward, kernel_form, *args), cuda),
+            "pytorch_ms": timed(partial(forward_backward, pytorch_form, *args), cuda),
+            "triton_ms": timed(partial(forward_backward, kernel_form, *args), cuda),
             "max_out_diff": (out.float() - ref.float()).abs().max().item(),
             "max_grad_diff": (leaf_grad.float() - ref_grad.float()).abs().max().item(),
         })
