@@ -10,10 +10,10 @@ Each row: the PyTorch form as the model ran it before (``F.rms_norm`` of the flo
 stream, its output cast once to the dtype as autocast's projections cast it, after ``x +
 update`` in the second row; ``F.silu(gate) * up`` of the product's halves; ``F.cross_entropy``
 of the float32 logits) and the kernels, each timed over one forward and its backward
-(bench/decode.py's ``bench``: on CUDA ``triton.testing.do_bench`` of the pair captured in a
-CUDA graph, as the trainer's graphed step runs them, so that the GPU's time is measured and
-not the host's launch path, which the norms' Python autograd functions exceed; the median of a
-few calls on the CPU, where the kernels run in Triton's interpreter), and the largest
+(on CUDA the GPU time of its kernels, bench/op_host.py's ``gpu_ms`` (torch.profiler), as a
+graphed training step runs them: a wall-clock timer measured the norms' host path, their
+Python autograd functions, which exceeds their kernels at this size; on the CPU the median
+wall time of a few calls, the kernels in Triton's interpreter), and the largest
 difference of their outputs and input gradients, which must agree to the dtype's rounding.
 """
 
@@ -24,7 +24,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from decode import bench, graphed
+from decode import bench
+from op_host import gpu_ms
 
 from nsa.train.checkpoint import atomic_write_json
 
@@ -90,8 +91,9 @@ def forward_backward(form, inputs, leaf: torch.Tensor, grad):
 
 
 def timed(fn, cuda: bool) -> float:
-    """Median ms of fn(): its CUDA graph's replay on CUDA (module docstring)."""
-    return bench(graphed(fn) if cuda else fn, cuda)
+    """ms of fn(): its kernels' GPU time per call on CUDA, wall time on the CPU (module
+    docstring)."""
+    return gpu_ms(fn, calls=20) if cuda else bench(fn, cuda=False)
 
 
 def run(tokens: int, dim: int, hidden: int, vocab: int, dtype: torch.dtype,

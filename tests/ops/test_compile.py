@@ -108,6 +108,9 @@ def test_compiled_model_runs_the_registered_ops():
     torch.compile(model, fullgraph=True, backend=backend)(tokens, tokens).backward()
     assert torch.ops.nsa.attention_fwd.default in targets["forward"]
     assert torch.ops.nsa.attention_bwd.default in targets["backward"]
+    if CUDA:  # the model's own kernels take CUDA tensors only (transformer.triton_takes)
+        assert torch.ops.nsa.rms_norm.default in targets["forward"]
+        assert torch.ops.nsa.rms_norm_backward.default in targets["backward"]
 
 
 @pytest.mark.parametrize("kind", ["meta", "fake"])

@@ -119,7 +119,8 @@ def rms_norm_forward(x: torch.Tensor, update: torch.Tensor | None, weight: torch
     h = None
     if update is not None:
         update_rows = as_rows(update)
-        h = torch.empty(x.shape, dtype=torch.result_type(x, update), device=x.device)
+        h_dtype = torch.promote_types(x.dtype, update.dtype)
+        h = torch.empty(x.shape, dtype=h_dtype, device=x.device)
     if N and C:
         tile_rows, block_c, warps = _tile(C)
         _rms_norm_fwd_kernel[(cdiv(N, tile_rows),)](
@@ -168,7 +169,8 @@ def _(x, update, weight, eps, out_dtype):
     rstd = x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
     if update is None:
         return [y, rstd]
-    return [torch.empty(x.shape, dtype=torch.result_type(x, update), device=x.device), y, rstd]
+    h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, update.dtype), device=x.device)
+    return [h, y, rstd]
 
 
 @rms_norm_backward_op.register_fake
@@ -246,7 +248,7 @@ def add_rms_norm_triton(x: torch.Tensor, update: torch.Tensor, weight: torch.Ten
         raise ValueError(f"add_rms_norm takes an update of x's shape {tuple(x.shape)}, got "
                          f"{tuple(update.shape)}")
     _check(x, weight)
-    h_dtype = torch.result_type(x, update)
+    h_dtype = torch.promote_types(x.dtype, update.dtype)
     out_dtype = h_dtype if out_dtype is None else out_dtype
     return _AddRMSNormFunction.apply(x, update, weight, _checked_eps(h_dtype, eps),
                                      out_dtype)
