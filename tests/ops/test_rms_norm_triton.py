@@ -44,11 +44,13 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def inputs(shape, dtype, strided, seed=0):
-    """x (a row view of a wider tensor where strided), the weight (float32), y's gradient."""
+    """x (a row view of a wider tensor where strided), the weight (float32; every other value
+    of a longer one where strided), y's gradient."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(*shape[:-1], shape[-1] + 4 * strided, generator=g) * 3
     x = base.to(DEVICE, dtype)[..., :shape[-1]].requires_grad_()
-    weight = (1 + torch.randn(shape[-1], generator=g) / 4).to(DEVICE).requires_grad_()
+    weight = (1 + torch.randn(shape[-1] * (1 + strided), generator=g) / 4).to(DEVICE)
+    weight = weight[::1 + strided].detach().requires_grad_()
     grad = torch.randn(shape, generator=g).to(DEVICE, dtype)
     return x, weight, grad
 

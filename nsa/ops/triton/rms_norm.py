@@ -27,7 +27,7 @@ import torch
 import triton.language as tl
 
 from nsa.ops.triton.jit import kernel
-from nsa.ops.triton.launch import as_rows, call_op, cdiv, next_pow2
+from nsa.ops.triton.launch import as_rows, call_op, cdiv, next_pow2, unit_stride
 
 RMS_MAX_WIDTH = 16384  # widest rows a program holds in registers (wider: PyTorch's form)
 RMS_TILE = 4096  # elements (rows × padded width) of a program's tile per step
@@ -112,7 +112,7 @@ def rms_norm_forward(x: torch.Tensor, update: torch.Tensor | None, weight: torch
                      eps: float, out_dtype: torch.dtype) -> list[torch.Tensor]:
     """[y, rstd] of x [..., C], or [h, y, rstd] with h = x + update (x's shape, the dtype of
     the sum) normed in place of x: y [..., C] in out_dtype, rstd [N] float32 (1 / rms)."""
-    rows = as_rows(x)
+    rows, weight = as_rows(x), unit_stride(weight)
     N, C = rows.shape
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty(N, dtype=torch.float32, device=x.device)
@@ -137,7 +137,7 @@ def rms_norm_backward(grad_y: torch.Tensor, grad_h: torch.Tensor | None, x: torc
     """[dx, dweight], or [dx, dupdate, dweight] where an ``update_dtype`` other than x's is
     given: the gradients from y's (``grad_y``) and, where given, h's own (``grad_h``, added
     in); x is the normed input (h after an add). dx in x's dtype, dweight in weight's."""
-    rows, dy = as_rows(x), as_rows(grad_y)
+    rows, dy, weight = as_rows(x), as_rows(grad_y), unit_stride(weight)
     dh = None if grad_h is None else as_rows(grad_h)
     N, C = rows.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
