@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from decode import bench
 from op_host import gpu_ms
 
+from nsa.models.config import ModelConfig
 from nsa.train.checkpoint import atomic_write_json
 
-NORM_EPS = 1e-5  # the model's (ModelConfig.norm_eps)
+NORM_EPS = ModelConfig.norm_eps  # the model's default
 
 
 def _pytorch_activation(gate_up: torch.Tensor) -> torch.Tensor:
@@ -129,8 +130,7 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = run(args.tokens, args.dim, args.hidden, args.vocab, dtype, device)
     print(f"# {name}, {args.tokens} tokens, width {args.dim}, hidden {args.hidden}, "
-          f"vocabulary {args.vocab}, "
-          f"{args.dtype}, forward+backward")
+          f"vocabulary {args.vocab}, {args.dtype}, forward+backward")
     print("| kernel | PyTorch (ms) | Triton (ms) | speed-up | max out diff | max grad diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
