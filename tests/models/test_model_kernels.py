@@ -1,4 +1,4 @@
-"""On a GPU the language model runs its norms (the residual add before the MLP's in the same
+"""On a GPU the language model runs its norms (each with the residual add before it, in the same
 pass), its MLP activation and its loss through the Triton kernels (nsa/ops/triton/rms_norm.py,
 swiglu.py, cross_entropy.py), with the loss and gradients of their PyTorch forms under bf16
 autocast, and less peak memory."""
