@@ -48,10 +48,11 @@ class RMSNorm(nn.RMSNorm):
     read it would cast it to that; x's dtype otherwise, as ``nn.RMSNorm``)."""
 
     def _kernels_take(self, *xs: torch.Tensor) -> bool:
-        from nsa.ops.triton.rms_norm import RMS_MAX_WIDTH
+        if self.weight is None or not all(triton_takes(x) for x in xs):
+            return False
+        from nsa.ops.triton.rms_norm import RMS_MAX_WIDTH  # Triton is installed here
 
-        return (self.weight is not None and all(triton_takes(x) for x in xs)
-                and xs[0].shape[-1] <= RMS_MAX_WIDTH)
+        return xs[0].shape[-1] <= RMS_MAX_WIDTH
 
     @staticmethod
     def _out_dtype(x: torch.Tensor) -> torch.dtype:

@@ -137,3 +137,20 @@ def test_fsdp_mixed_precision_leaves_the_shared_rope_angles_in_float32():
     assert cast_x.dtype == torch.bfloat16  # what the policy does to a block's activations
     assert cast_angles is angles
     assert {t.dtype for t in (*angles.tokens, *angles.compressed)} == {torch.float32}
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_the_cpu_model_trains_and_decodes_without_triton(attention, monkeypatch):
+    """A CPU install has no Triton (torch's CPU wheel does not bring it; `make train` installs
+    none): the model's forward, backward and decoding must import nothing of it."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "triton" or n.startswith(("triton.",
+                                                                          "nsa.ops.triton."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    monkeypatch.setitem(sys.modules, "triton", None)
+    torch.manual_seed(0)
+    model = LanguageModel(replace_fields(HANG_SHAPE, attention=attention, num_layers=2))
+    tokens = torch.randint(0, 256, (2, 40))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert model.generate(tokens[:, :5], max_new_tokens=3).shape == (2, 8)
