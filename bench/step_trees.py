@@ -55,7 +55,9 @@ def prepare(folder: Path, specs: list[str]) -> None:
         target = folder / name
         if target.exists():
             raise SystemExit(f"step_trees: error: {target} exists (remove it first)")
-        with tempfile.TemporaryDirectory() as tmp:
+        folder.mkdir(parents=True, exist_ok=True)
+        # Staged beside the target, so that the rename stays on one file system.
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".staging-") as tmp:
             archive = Path(tmp) / "tree.tar"
             subprocess.run(["git", "archive", "-o", str(archive), commit.stdout.strip(), "nsa",
                             "bench"], cwd=HERE.parent, check=True)
@@ -63,7 +65,6 @@ def prepare(folder: Path, specs: list[str]) -> None:
             with tarfile.open(archive) as tar:
                 tar.extractall(staged, filter="data")
             (staged / "REVISION").write_text(commit.stdout)
-            target.parent.mkdir(parents=True, exist_ok=True)
             staged.rename(target)  # whole or not at all
         print(f"{name}: {commit.stdout.strip()}")
 
