@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 import nsa.layers.projection
+from nsa.config_tree import replace_fields
+from nsa.layers.attention import attention_layer
 from nsa.layers.projection import (
     FUSED_ALIGN,
+    ROW_ALIGN,
     Heads,
     HeadsLayout,
     fused_columns,
@@ -22,6 +25,7 @@ from nsa.layers.projection import (
     split_heads,
 )
 from nsa.layers.rope import rope_angles, rope_frequencies, rotate_torch
+from nsa.models import model_preset
 from nsa.ops.triton_support import TRITON_AVAILABLE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,7 +39,8 @@ def test_split_heads_of_the_fused_product_equals_the_layers():
     # Layer 0 as 2 heads of 4, layer 1 as 2 heads of 10, layer 2 as 3 heads of 2.
     layout = HeadsLayout((Heads(starts[0], 2, 4, 4), Heads(starts[1], 2, 10, 10),
                           Heads(starts[2], 3, 2, 2)), starts[-1])
-    assert starts[-1] == 8 + 24 + 8  # each layer's rows padded to FUSED_ALIGN
+    # Each layer's rows padded to FUSED_ALIGN, the last's further to a width of ROW_ALIGN.
+    assert starts == [0, 8, 32, ROW_ALIGN]
     heads = split_heads(fused_product(x, layers), layout)
     outputs = [heads[0].flatten(2), heads[1].flatten(2), heads[2].flatten(2) + layers[2].bias]
     for group, head in zip(layout.groups, heads, strict=True):
@@ -50,6 +55,21 @@ def test_split_heads_of_the_fused_product_equals_the_layers():
     separate = torch.autograd.grad(expected, params, grads)
     for a, b in zip(fused, separate, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "m7c-125m"])
+@pytest.mark.parametrize("kind", ["nsa", "dense"])
+def test_a_layers_product_rows_start_on_a_line(preset, kind):
+    """The attention layers' fused product is ROW_ALIGN wide (m7c-125m's NSA layer: 768 + 768 +
+    36 gate columns, padded to 1600), so each token's row starts on a 128-byte line in bf16."""
+    layer = attention_layer(replace_fields(model_preset(preset), attention=kind).attention)
+    layers = layer._fused_layers()
+    starts = fused_columns(*layers)
+    assert starts[-1] % ROW_ALIGN == 0
+    assert all(start % FUSED_ALIGN == 0 for start in starts)
+    assert 0 <= starts[-1] - sum(x.out_features for x in layers) < ROW_ALIGN + len(layers) * 8
+    if preset == "m7c-125m":
+        assert starts[-1] == (1600 if kind == "nsa" else 1024)
 
 
 # Columns of a product of width 48: queries (3 heads of 4, rotated), keys and values interleaved

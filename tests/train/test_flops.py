@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import nsa.layers.attention
 from nsa.config_tree import replace_fields
 from nsa.layers.attention import NSAttention
-from nsa.layers.projection import FUSED_ALIGN
+from nsa.layers.projection import fused_columns
 from nsa.models import LanguageModel
 from nsa.models.config import ModelConfig, model_preset
 from nsa.ops import nsa_select
@@ -139,10 +139,12 @@ def test_linear_flops_match_torch_flop_counter():
     linear = model_counts[torch.ops.aten.mm] + model_counts[torch.ops.aten.addmm]
     compressors = config.num_layers * (attention_flops_breakdown(config, seq_len)["compressor"]
                                        + compressor_extra_flops(config) / seq_len)
-    # fused_weight pads each projection's rows to FUSED_ALIGN: zero rows multiplied all the same
-    padding = sum(2 * layer.in_features * (-layer.out_features % FUSED_ALIGN)
+    # fused_weight's zero rows (fused_columns' width past the layers' rows): multiplied all the
+    # same
+    padding = sum(2 * attention.config.dim
+                  * (fused_columns(*layers)[-1] - sum(layer.out_features for layer in layers))
                   for attention in model.modules() if isinstance(attention, NSAttention)
-                  for layer in (attention.q_proj, attention.kv_proj, attention.gate_proj))
+                  for layers in [(attention.q_proj, attention.kv_proj, attention.gate_proj)])
     assert padding > 0  # tiny's 3 x 4 gates: the count above is exercised
     assert linear == pytest.approx((2 * matmul_params(model) + compressors + padding) * seq_len,
                                    rel=1e-12)
