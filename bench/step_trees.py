@@ -142,6 +142,8 @@ def main(argv=None) -> None:
     r.add_argument("--attention", default="nsa,dense")
     r.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    # git archive (prepare) and train_step.py (run) work in other directories than this one.
+    args.folder = args.folder.resolve()
     if args.command == "prepare":
         prepare(args.folder, args.trees)
         return

@@ -39,6 +39,16 @@ def test_trees_alternate_and_their_rows_are_written(tmp_path, capsys):
     assert all(r["step_ms"] > 0 and (r["batch"], r["seq"]) == (1, 32) for r in data["rows"])
 
 
+def test_a_folder_given_relative_to_the_working_directory_runs(tmp_path, monkeypatch, capsys):
+    """Each run's working directory is its tree's bench/: a relative folder (as the device
+    call gives, `.scratch/trees`) must still put the tree's nsa on the import path."""
+    monkeypatch.chdir(tmp_path)
+    step_trees.main(["prepare", "trees", "a=HEAD"])
+    step_trees.main(["run", "trees", "--rounds", "1", "--attention", "dense", "--",
+                     "--layers", "1", *STEP])
+    assert "| a |" in capsys.readouterr().out
+
+
 def test_bad_trees_and_depths_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="NAME=REV"):
         step_trees.main(["prepare", str(tmp_path), "HEAD"])
