@@ -27,9 +27,9 @@ D], and the weights W1 [hidden, l·D], W2 [D, hidden] in the compute dtype:
      W1's columns of token j. Every token is written (0 where no block holds it).
   3. ``_weight_grads_kernel``, per (block token j, split of the rows): W1's columns of token j
      get Σ dh^T (x[i·d + j] + P[j]) over the split's (sequence, block, head) rows, and P[j]
-     (Σ dh) times those columns; the programs of j = 0 also sum the split's dy^T GELU(pre)
-     (W2's), dh (b1's) and dy (b2's). Each split writes its float32 partials to its row of one
-     buffer, whose rows one PyTorch sum adds up in order.
+     (Σ dh) times those columns; the programs of j = 0 also sum dh (b1's), and those of j = l
+     the split's dy^T GELU(pre) (W2's) and dy (b2's). Each split writes its float32 partials
+     to its row of one buffer, whose rows one PyTorch sum adds up in order.
 
 No float atomics: the gradients are deterministic. Dtypes as the PyTorch form's under autocast:
 operands rounded to the compute dtype (the autocast dtype, or the weights'), products
@@ -59,7 +59,7 @@ from nsa.ops.triton.launch import call_op, cdiv, pow2, unit_stride
 # warps: their tiles of rows x hidden (and the weights') spill otherwise (offline sm_90).
 ROWS = dict(forward=32, hidden_grad=16, input_grad=64, weight_grads=64)
 MAX_DIM, MAX_HIDDEN = 128, 256  # widest tiles (padded to powers of two) the kernels take
-WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: l x splits x slots)
+WEIGHT_SPLITS = 8  # row splits of the weights' gradients (programs: (l + 1) x splits x slots)
 
 
 @triton.jit
@@ -197,6 +197,63 @@ def _split_rows(start, end, NUM_CMP, H, ROWS: tl.constexpr):
     return r.to(tl.int64), r < end, (r // (H * NUM_CMP)).to(tl.int64), (r // H) % NUM_CMP, r % H
 
 
+@triton.jit
+def _w1_grads(DH, X, POSITION, W1, row, first, end, j, stride_xb, stride_xt, stride_xh, N,
+              NUM_CMP, H, HIDDEN, POSITION_AT, B1_AT, CMP_BLOCK: tl.constexpr,
+              CMP_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_HID: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr):
+    """Into ``row``: the sums over rows [first, end) of W1's gradient at its columns of block
+    token j and of P[j]'s; b1's too for j = 0."""
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    p = tl.load(POSITION + j * D + e, mask=e_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_HID, BLOCK_D], tl.float32)
+    dh_sum = tl.zeros([BLOCK_HID], tl.float32)
+    for start in range(first, end, ROWS):
+        r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
+        dh = tl.load(DH + r[:, None] * HIDDEN + n[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                     other=0.0)
+        x_rows = X + b * stride_xb + h * stride_xh + (i * CMP_STRIDE + j).to(tl.int64) * stride_xt
+        x = tl.load(x_rows[:, None] + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+        block = tl.where(r_ok[:, None], x.to(tl.float32) + p[None, :], 0.0).to(DH.dtype.element_ty)
+        acc += dot(tl.trans(dh), block, IEEE)
+        dh_sum += tl.sum(dh.to(tl.float32), axis=0)
+    w_mask = n_ok[:, None] & e_ok[None, :]
+    tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], acc, mask=w_mask)
+    w1 = tl.load(W1 + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], mask=w_mask, other=0.0)
+    tl.store(row + POSITION_AT + j * D + e, tl.sum(dh_sum[:, None] * w1.to(tl.float32), axis=0),
+             mask=e_ok)
+    if j == 0:
+        tl.store(row + B1_AT + n, dh_sum, mask=n_ok)
+
+
+@triton.jit
+def _w2_grads(DY, PRE, row, first, end, NUM_CMP, H, HIDDEN, W2_AT, B2_AT, D: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_HID: tl.constexpr, ROWS: tl.constexpr,
+              IEEE: tl.constexpr):
+    """Into ``row``: the sums over rows [first, end) of W2's gradient, dy^T GELU(pre), and of
+    b2's."""
+    e = tl.arange(0, BLOCK_D)
+    e_ok = e < D
+    n = tl.arange(0, BLOCK_HID)
+    n_ok = n < HIDDEN
+    acc_w2 = tl.zeros([BLOCK_D, BLOCK_HID], tl.float32)
+    dy_sum = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(first, end, ROWS):
+        r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
+        dy = tl.load(DY + r[:, None] * D + e[None, :], mask=r_ok[:, None] & e_ok[None, :],
+                     other=0.0)
+        pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :],
+                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_w2 += dot(tl.trans(dy), gelu(pre).to(DY.dtype.element_ty), IEEE)
+        dy_sum += tl.sum(dy.to(tl.float32), axis=0)
+    tl.store(row + W2_AT + e[:, None] * HIDDEN + n[None, :], acc_w2,
+             mask=e_ok[:, None] & n_ok[None, :])
+    tl.store(row + B2_AT + e, dy_sum, mask=e_ok)
+
+
 @kernel
 def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
                          stride_x0b, stride_x0t, stride_x0h, stride_x1b, stride_x1t,
@@ -207,62 +264,28 @@ def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
                          IEEE: tl.constexpr):
     """Row s·splits + k of PARTIAL (float32, row stride stride_ps), for slot s = program axis
     2 and split k = axis 1: the sums over split k's rows (SPLIT_ROWS of the N rows of [B,
-    NUM_CMP, H], a multiple of ROWS) of slot s's W1 gradient at its columns of block token j =
-    program axis 0 ([HIDDEN, CMP_BLOCK·D] from column 0) and of P[j]'s (at POSITION_AT +
-    j·D); programs j = 0 also write W2's ([D, HIDDEN] at W2_AT), b1's (at B1_AT) and b2's (at
-    B2_AT). DH [S, N, HIDDEN], DY and W1 in the compute dtype, PRE [S, N, HIDDEN] float32
-    (module docstring)."""
-    COMPUTE = DH.dtype.element_ty
+    NUM_CMP, H], a multiple of ROWS) of slot s's gradients. Program axis 0 is j: for j <
+    CMP_BLOCK, W1's at its columns of block token j ([HIDDEN, CMP_BLOCK·D] from column 0) and
+    P[j]'s (at POSITION_AT + j·D), and for j = 0 b1's too (at B1_AT); for j = CMP_BLOCK, W2's
+    ([D, HIDDEN] at W2_AT) and b2's (at B2_AT), in programs of their own (they were the
+    j = 0 programs' second loop: those ran twice as long as the others, last; bench/NOTES.md,
+    forty-ninth session). DH [S, N, HIDDEN], DY and W1 in the compute dtype, PRE [S, N,
+    HIDDEN] float32 (module docstring)."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     slot = tl.program_id(2)
-    X = _slot(slot, X0, X1)
-    stride_xb = _slot(slot, stride_x0b, stride_x1b)
-    stride_xt = _slot(slot, stride_x0t, stride_x1t)
-    stride_xh = _slot(slot, stride_x0h, stride_x1h)
-    DH = DH + slot.to(tl.int64) * N * HIDDEN
-    e = tl.arange(0, BLOCK_D)
-    e_ok = e < D
-    n = tl.arange(0, BLOCK_HID)
-    n_ok = n < HIDDEN
-    p = tl.load(_slot(slot, P0, P1) + j * D + e, mask=e_ok, other=0.0).to(tl.float32)
+    row = PARTIAL + (slot * tl.num_programs(1) + split).to(tl.int64) * stride_ps
     first = split * SPLIT_ROWS
     end = tl.minimum(N, first + SPLIT_ROWS)
-    acc = tl.zeros([BLOCK_HID, BLOCK_D], tl.float32)
-    dh_sum = tl.zeros([BLOCK_HID], tl.float32)
-    for start in range(first, end, ROWS):
-        r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
-        dh = tl.load(DH + r[:, None] * HIDDEN + n[None, :], mask=r_ok[:, None] & n_ok[None, :],
-                     other=0.0)
-        x_rows = X + b * stride_xb + h * stride_xh + (i * CMP_STRIDE + j).to(tl.int64) * stride_xt
-        x = tl.load(x_rows[:, None] + e[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
-        block = tl.where(r_ok[:, None], x.to(tl.float32) + p[None, :], 0.0).to(COMPUTE)
-        acc += dot(tl.trans(dh), block, IEEE)
-        dh_sum += tl.sum(dh.to(tl.float32), axis=0)
-    row = PARTIAL + (slot * tl.num_programs(1) + split).to(tl.int64) * stride_ps
-    w_mask = n_ok[:, None] & e_ok[None, :]
-    tl.store(row + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :], acc, mask=w_mask)
-    w1 = tl.load(_slot(slot, W1_0, W1_1) + n[:, None] * (CMP_BLOCK * D) + j * D + e[None, :],
-                 mask=w_mask, other=0.0)
-    tl.store(row + POSITION_AT + j * D + e, tl.sum(dh_sum[:, None] * w1.to(tl.float32), axis=0),
-             mask=e_ok)
-    if j == 0:
-        tl.store(row + B1_AT + n, dh_sum, mask=n_ok)
-        DY = _slot(slot, DY0, DY1)
-        PRE = PRE + slot.to(tl.int64) * N * HIDDEN
-        acc_w2 = tl.zeros([BLOCK_D, BLOCK_HID], tl.float32)
-        dy_sum = tl.zeros([BLOCK_D], tl.float32)
-        for start in range(first, end, ROWS):
-            r, r_ok, b, i, h = _split_rows(start, end, NUM_CMP, H, ROWS)
-            dy = tl.load(DY + r[:, None] * D + e[None, :], mask=r_ok[:, None] & e_ok[None, :],
-                         other=0.0)
-            pre = tl.load(PRE + r[:, None] * HIDDEN + n[None, :],
-                          mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_w2 += dot(tl.trans(dy), gelu(pre).to(COMPUTE), IEEE)
-            dy_sum += tl.sum(dy.to(tl.float32), axis=0)
-        tl.store(row + W2_AT + e[:, None] * HIDDEN + n[None, :], acc_w2,
-                 mask=e_ok[:, None] & n_ok[None, :])
-        tl.store(row + B2_AT + e, dy_sum, mask=e_ok)
+    if j == CMP_BLOCK:
+        _w2_grads(_slot(slot, DY0, DY1), PRE + slot.to(tl.int64) * N * HIDDEN, row, first, end,
+                  NUM_CMP, H, HIDDEN, W2_AT, B2_AT, D, BLOCK_D, BLOCK_HID, ROWS, IEEE)
+    else:
+        _w1_grads(DH + slot.to(tl.int64) * N * HIDDEN, _slot(slot, X0, X1), _slot(slot, P0, P1),
+                  _slot(slot, W1_0, W1_1), row, first, end, j,
+                  _slot(slot, stride_x0b, stride_x1b), _slot(slot, stride_x0t, stride_x1t),
+                  _slot(slot, stride_x0h, stride_x1h), N, NUM_CMP, H, HIDDEN, POSITION_AT,
+                  B1_AT, CMP_BLOCK, CMP_STRIDE, D, BLOCK_D, BLOCK_HID, ROWS, IEEE)
 
 
 # Launch wrappers -------------------------------------------------------------------------
@@ -349,7 +372,7 @@ def compress_backward(grads: list[torch.Tensor], xs: list[torch.Tensor], pre: to
     sizes = _weight_grad_sizes(cmp_block, D, hidden)  # one row per (slot, split)
     at = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     partial = torch.empty(S, splits, at[-1], dtype=torch.float32, device=x[0].device)
-    _weight_grads_kernel[(cmp_block, splits, S)](
+    _weight_grads_kernel[(cmp_block + 1, splits, S)](
         dh, *dy, pre, *x, *position, *w1, partial, *x[0].stride()[:3], *x[1].stride()[:3],
         partial.stride(1), N, Tc, H, hidden, cdiv(row_tiles, splits) * meta["ROWS"], at[1],
         at[2], at[3], at[4], CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, **meta)
