@@ -9,7 +9,7 @@ bytes (a stride off that slows every kernel that reads them), and the last layer
 padded further so that W is a multiple of ROW_ALIGN: each token's row of y then starts on a
 128-byte cache line in 16-bit dtypes, and a head of 64 channels, which the attention and RoPE
 kernels read from y or write into its gradient, spans one line instead of two. At m7c-125m
-(W 1576 -> 1600) the graphed training step took 42.4 ms instead of 43.6, the RoPE launches
+(W 1576 -> 1600) the graphed training step took 42.3 ms instead of 43.5, the RoPE launches
 0.67 ms a step instead of 0.93 and the compressors' forward 0.27 instead of 0.44
 (bench/NOTES.md, forty-ninth session).
 

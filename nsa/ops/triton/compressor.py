@@ -268,9 +268,9 @@ def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
     CMP_BLOCK, W1's at its columns of block token j ([HIDDEN, CMP_BLOCK·D] from column 0) and
     P[j]'s (at POSITION_AT + j·D), and for j = 0 b1's too (at B1_AT); for j = CMP_BLOCK, W2's
     ([D, HIDDEN] at W2_AT) and b2's (at B2_AT), in programs of their own (they were the
-    j = 0 programs' second loop: those ran twice as long as the others, last; bench/NOTES.md,
-    forty-ninth session). DH [S, N, HIDDEN], DY and W1 in the compute dtype, PRE [S, N,
-    HIDDEN] float32 (module docstring)."""
+    j = 0 programs' second loop, about doubling those programs' work: 49 -> 41 µs a layer's
+    pair at m7c-125m; bench/NOTES.md, forty-ninth session). DH [S, N, HIDDEN], DY and W1 in
+    the compute dtype, PRE [S, N, HIDDEN] float32 (module docstring)."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     slot = tl.program_id(2)
