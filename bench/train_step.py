@@ -12,8 +12,10 @@ not by the GPU.
     python bench/train_step.py --preset m7c-125m --layers 12 --batch 8 --profile 25
 
 ``--profile N`` then runs one more step (graphed with ``--cuda-graph``, else eager) under
-torch.profiler and prints, after the table, its N GPU kernels of largest time and the GPU's
-timeline of that step: busy (some kernel, copy or fill running), idle, and two or more at once
+torch.profiler and prints, after the table, its N largest groups of GPU work by kernel and
+launch grid (an eager step gives each kernel's own time: the forty-ninth session found NSA's
+RoPE launches 1.7x slower than dense's of the same grid there) and the GPU's timeline of that
+step: busy (some kernel, copy or fill running), idle, and two or more at once
 (streams side by side): where a step's time goes, and whether any of it is left to overlap.
 ``--count-ops`` adds the host work of one more eager forward+backward as counts, free of the
 host's timing noise: the aten operators it dispatches (views included) and the Triton kernels it
@@ -124,29 +126,43 @@ def gpu_timeline(intervals: list[tuple[float, float]]) -> dict:
     return {"span": span, "busy": busy, "idle": span - busy, "overlapped": overlapped}
 
 
+def kernel_table(activities: list[dict], rows: int) -> list[str]:
+    """The ``rows`` largest groups of GPU activities (chrome-trace events: name, dur in µs,
+    args.grid) by (name, launch grid), as markdown lines under a total: one kernel launched
+    with two grids (a branch's two modes, a launch and its twin that finds nothing to do, RoPE
+    over more or fewer heads) is two rows, each with its calls and mean time."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for event in activities:
+        grid = event.get("args", {}).get("grid")
+        key = (event["name"], "×".join(map(str, grid)) if grid else "-")
+        groups.setdefault(key, []).append(event["dur"])
+    total = max(sum(map(sum, groups.values())) / 1e3, 1e-9)  # ms (no division by 0)
+    lines = ["| kernel | grid | calls | µs each | ms | share |", "|---|---|---|---|---|---|"]
+    for (name, grid), durations in sorted(groups.items(), key=lambda g: -sum(g[1]))[:rows]:
+        ms = sum(durations) / 1e3
+        lines.append(f"| {name[:70]} | {grid} | {len(durations)} | "
+                     f"{sum(durations) / len(durations):.1f} | {ms:.2f} | {ms / total:.1%} |")
+    return lines
+
+
 def profile_report(run_step, rows: int, kind: str) -> str:
-    """One call of ``run_step`` (a ``kind`` step) under torch.profiler, as text: its ``rows`` GPU
-    kernels of largest time (by kernel name: a Triton kernel's is its function's), the step's
-    total, and its GPU timeline (``gpu_timeline``)."""
+    """One call of ``run_step`` (a ``kind`` step) under torch.profiler, as text: the step's GPU
+    time, its ``rows`` largest groups of GPU work by kernel and launch grid (``kernel_table``:
+    a Triton kernel's name is its function's) and its GPU timeline (``gpu_timeline``). In an
+    eager step the GPU waits for the host between kernels, so each kernel's time is its own;
+    in a graphed one, kernels on two streams share the SMs."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         run_step()
-    # Kernels only: an op's self GPU time repeats its kernels'.
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0
-              and e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in events) / 1e3
-    lines = [f"self GPU time of one {kind} step: {total:.1f} ms",
-             "| kernel | calls | ms | share |", "|---|---|---|---|"]
-    for e in events[:rows]:
-        ms = e.self_device_time_total / 1e3
-        lines.append(f"| {e.key[:70]} | {e.count} | {ms:.2f} | {ms / total:.1%} |")
-    with tempfile.TemporaryDirectory() as tmp:  # start, end and kind of each GPU activity
+    with tempfile.TemporaryDirectory() as tmp:  # name, start, length and grid of each activity
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in json.loads(trace.read_text())[
-            "traceEvents"] if e.get("cat") in GPU_ACTIVITY]
-    if intervals:
+        gpu = [e for e in json.loads(trace.read_text())["traceEvents"]
+               if e.get("cat") in GPU_ACTIVITY]
+    total = sum(e["dur"] for e in gpu) / 1e3
+    lines = [f"GPU time of one {kind} step: {total:.1f} ms", *kernel_table(gpu, rows)]
+    if gpu:
+        intervals = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
         t = {name: value / 1e3 for name, value in gpu_timeline(intervals).items()}  # µs -> ms
         lines.append(f"GPU timeline of that step: {t['span']:.1f} ms from its first kernel to "
                      f"its last, busy {t['busy']:.1f}, idle {t['idle']:.1f}, two or more at "

@@ -76,7 +76,22 @@ def test_profile_prints_the_kernel_table(capsys):
     train_step.main(["--layers", "1", "--steps", "1", "--warmup", "0", "--device", "cpu",
                      "--batch", "1", "--attention", "dense", "--profile", "3"])
     out = capsys.readouterr().out
-    assert "self GPU time of one eager step" in out and "| kernel | calls | ms | share |" in out
+    assert "GPU time of one eager step: 0.0 ms" in out
+    assert "| kernel | grid | calls | µs each | ms | share |" in out
     assert "GPU timeline" not in out
     assert out.index("| dense | 1 |") < out.index("## dense, 1 layers") < out.index(
-        "self GPU time")
+        "GPU time of one")
+
+
+def test_the_kernel_table_groups_by_kernel_and_grid():
+    """One kernel at two grids is two rows (largest first), with calls, mean µs, ms and share;
+    a fill without a grid is its own row; the total is every activity's."""
+    def event(name, dur, grid=None):
+        return {"name": name, "dur": dur, "args": {"grid": grid} if grid else {}}
+
+    events = [event("_rope_kernel", 27.0, [8192, 1, 1]), event("_rope_kernel", 27.0, [8192, 1, 1]),
+              event("_rope_kernel", 6.0, [1024, 1, 1]), event("Memset (Device)", 40.0)]
+    lines = train_step.kernel_table(events, rows=2)
+    assert lines[2:] == ["| _rope_kernel | 8192×1×1 | 2 | 27.0 | 0.05 | 54.0% |",
+                         "| Memset (Device) | - | 1 | 40.0 | 0.04 | 40.0% |"]
+    assert len(train_step.kernel_table(events, rows=10)) == 2 + 3
