@@ -144,7 +144,7 @@ def test_linear_flops_match_torch_flop_counter():
     padding = sum(2 * attention.config.dim
                   * (fused_columns(*layers)[-1] - sum(layer.out_features for layer in layers))
                   for attention in model.modules() if isinstance(attention, NSAttention)
-                  for layers in [(attention.q_proj, attention.kv_proj, attention.gate_proj)])
+                  for layers in [attention._fused_layers()])
     assert padding > 0  # tiny's 3 x 4 gates: the count above is exercised
     assert linear == pytest.approx((2 * matmul_params(model) + compressors + padding) * seq_len,
                                    rel=1e-12)

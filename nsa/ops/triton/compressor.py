@@ -198,7 +198,7 @@ def _split_rows(start, end, NUM_CMP, H, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _w1_grads(DH, X, POSITION, W1, row, first, end, j, stride_xb, stride_xt, stride_xh, N,
+def _w1_grads(DH, X, POSITION, W1, row, first, end, j, stride_xb, stride_xt, stride_xh,
               NUM_CMP, H, HIDDEN, POSITION_AT, B1_AT, CMP_BLOCK: tl.constexpr,
               CMP_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_HID: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr):
@@ -284,7 +284,7 @@ def _weight_grads_kernel(DH, DY0, DY1, PRE, X0, X1, P0, P1, W1_0, W1_1, PARTIAL,
         _w1_grads(DH + slot.to(tl.int64) * N * HIDDEN, _slot(slot, X0, X1), _slot(slot, P0, P1),
                   _slot(slot, W1_0, W1_1), row, first, end, j,
                   _slot(slot, stride_x0b, stride_x1b), _slot(slot, stride_x0t, stride_x1t),
-                  _slot(slot, stride_x0h, stride_x1h), N, NUM_CMP, H, HIDDEN, POSITION_AT,
+                  _slot(slot, stride_x0h, stride_x1h), NUM_CMP, H, HIDDEN, POSITION_AT,
                   B1_AT, CMP_BLOCK, CMP_STRIDE, D, BLOCK_D, BLOCK_HID, ROWS, IEEE)
 
 
