@@ -291,6 +291,30 @@ def test_dkdv_split_into_query_segments_equals_one_segment(case, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("in_registers", [True, False], ids=["in-registers", "read-back"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=case_id)
+def test_the_forward_writes_the_gated_sum_of_the_three_branches(case, in_registers,
+                                                                monkeypatch):
+    """With the other branches' outputs and the gates, the forward also writes out = Σ g_i o_i
+    in q's dtype, whether its epilogue takes o_slc from registers or reads it back
+    (gating.sum_in_registers)."""
+    from nsa.ops.triton import selected_masked
+    from nsa.ops.triton.gating import GatedSum
+
+    monkeypatch.setattr(selected_masked, "sum_in_registers", lambda *shape: in_registers)
+    (q, k, v, _), idx, params, _ = make_case(case, torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    o_cmp, o_win = (torch.randn(*q.shape[:3], v.shape[-1], generator=gen).to(DEVICE)
+                    for _ in range(2))
+    gates = torch.rand(*q.shape[:3], 3, generator=gen).to(DEVICE)
+    out = torch.full_like(o_cmp, float("nan"))
+    selection = masked_selection(idx, kv_finite_flags(((k, v),))[0])
+    o_slc, _ = masked_forward(q, k, v, selection, params, q.shape[-1] ** -0.5,
+                              gated=GatedSum(o_cmp, o_win, gates, out))
+    expected = sum(gates[..., i, None] * o for i, o in enumerate((o_cmp, o_slc, o_win)))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_backward_with_wide_row_offsets_equals_narrow(monkeypatch):
     """The dq and dK/dV compute their rows' offsets in int32 unless an offset inside a batch
     entry of their query rows' tensors reaches 2^31 (``launch.wide_rows``): int64 offsets give

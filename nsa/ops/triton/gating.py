@@ -19,12 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import all_finite, load_tile, store_rows
+from nsa.ops.triton.common import all_finite, load_tile, softmax_finish, store_tile
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2, strides
 
 GATE_ROWS = 16  # rows per program of the gate backward
 GATE_CHUNK = tl.constexpr(16)  # columns per step of the gated sum: 32 spill 1.2 KB (masked, m7c)
+# Most values of a tile a thread holds where the gated sum is taken from the selected output in
+# registers (``sum_in_registers``).
+REGISTER_VALUES = 32
 
 
 @triton.jit
@@ -62,17 +65,44 @@ def store_gated_sum(O_CMP, O_SLC, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
 
 
 @triton.jit
+def store_gated_sum_of(o_slc, O_CMP, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
+                       DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows from the selected
+    branch's output ``o_slc`` [rows, BLOCK_DV] still in registers: only the other two branches'
+    outputs are read, as whole tiles (``sum_in_registers``). Offsets as in
+    ``store_gated_sum``."""
+    gates = GATES + gate_rows * 3
+    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    cols = tl.arange(0, BLOCK_DV)[None, :]
+    offsets = o_rows[:, None] + cols
+    mask = row_ok[:, None] & (cols < DV)
+    out = (g_cmp * tl.load(O_CMP + offsets, mask=mask, other=0.0) + g_slc * o_slc
+           + g_win * tl.load(O_WIN + offsets, mask=mask, other=0.0))
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t, hq, T, HQ, m, l, acc, row_ok,
                         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
-                        DV: tl.constexpr, BLOCK_DV: tl.constexpr, GATED: tl.constexpr):
+                        DV: tl.constexpr, BLOCK_DV: tl.constexpr, GATED: tl.constexpr,
+                        IN_REGISTERS: tl.constexpr = False):
     """The selected forward kernels' epilogue for rows (b, t, hq): their output and
-    log-sum-exp (common.store_rows) and, with GATED, the gated sum of the three branches."""
+    log-sum-exp and, with GATED, the gated sum of the three branches: with IN_REGISTERS from
+    the output in registers (``store_gated_sum_of``), else read back (``store_gated_sum``)."""
     o_rows = b * stride_ob + t * stride_ot + hq * stride_oh
-    store_rows(O + o_rows, LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok,
-               scale_log2, DV, BLOCK_DV)
+    o_slc, lse = softmax_finish(m, l, acc, scale_log2)
+    store_tile(O + o_rows, o_slc, row_ok, DV, BLOCK_DV)
+    tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
     if GATED:
-        store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, (b * T + t) * HQ + hq, row_ok, DV,
-                        BLOCK_DV)
+        gate_rows = (b * T + t) * HQ + hq
+        if IN_REGISTERS:
+            store_gated_sum_of(o_slc, O_CMP, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok, DV,
+                               BLOCK_DV)
+        else:
+            store_gated_sum(O_CMP, O, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok, DV,
+                            BLOCK_DV)
 
 
 @triton.jit
@@ -134,6 +164,15 @@ def gated_sum_args(gated: GatedSum | None, o_slc: torch.Tensor) -> dict:
     tensor when ``gated`` is None: GATED off, nothing read or written)."""
     o_cmp, o_win, gates, out = (o_slc,) * 4 if gated is None else gated
     return dict(O_CMP=o_cmp, O_WIN=o_win, GATES=gates, OUT=out, GATED=gated is not None)
+
+
+def sum_in_registers(rows: int, dv: int, num_warps: int) -> bool:
+    """Whether a selected forward kernel whose tile is ``rows`` x pow2(dv) at ``num_warps``
+    takes the gated sum from its output in registers: at most REGISTER_VALUES a thread. So
+    the masked forward at m7c-125m's 64 rows of 64 (4 warps) reads 50 MB less a layer at 8 x
+    2k at the same 167 registers and no stack (offline sm_90); a per-position program's 16 rows
+    of 128 at one warp (64 a thread) went from 194 registers to 240, and reads back."""
+    return rows * pow2(dv) <= REGISTER_VALUES * 32 * num_warps
 
 
 def gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q, H: int):

@@ -67,7 +67,12 @@ from nsa.ops.triton.common import (
     store_tile,
 )
 from nsa.ops.triton.finite import launch_per_flag
-from nsa.ops.triton.gating import GatedSum, gated_sum_args, store_selected_rows
+from nsa.ops.triton.gating import (
+    GatedSum,
+    gated_sum_args,
+    store_selected_rows,
+    sum_in_registers,
+)
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import (
     BranchGrad,
@@ -160,12 +165,12 @@ def _masked_fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, FINITE: tl.constexpr,
-    SMALL_SCALE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr, IN_REGISTERS: tl.constexpr,
 ):
     """O, LSE = the selected branch's output (float32) and log-sum-exp of this tile's rows;
     with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
-    O_CMP, O_WIN and OUT have O's layout). Runs the programs whose KV_FINITE flag equals
-    FINITE (module docstring)."""
+    O_CMP, O_WIN and OUT have O's layout; IN_REGISTERS: gating.sum_in_registers). Runs the
+    programs whose KV_FINITE flag equals FINITE (module docstring)."""
     tile, pid_bh = longest_first()
     if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
         b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
@@ -208,7 +213,7 @@ def _masked_fwd_kernel(
                                         not FINITE, SMALL_SCALE=SMALL_SCALE)
         store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t64, hq, T, H * G, m, l, acc,
                             row_ok, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-                            scale_log2, DV, BLOCK_DV, GATED)
+                            scale_log2, DV, BLOCK_DV, GATED, IN_REGISTERS)
 
 
 @kernel
@@ -436,7 +441,8 @@ def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale
         _masked_fwd_kernel, grid,
         q, k, v, kd, vd, bits, finite, o, lse, *strides(q), *strides(k), *strides(v),
         *strides(bits, 2), *strides(o), *lse.stride()[:2], T, H, scale * LOG2E,
-        **gated_sum_args(gated, o), SMALL_SCALE=small_scale(scale), **meta,
+        **gated_sum_args(gated, o), SMALL_SCALE=small_scale(scale),
+        IN_REGISTERS=sum_in_registers(meta["BLOCK_R"], Dv, meta["num_warps"]), **meta,
     )
     return o, lse
 
