@@ -37,7 +37,7 @@ from nsa.layers.rope import (
 from nsa.ops import NSAParams, nsa_attention
 from nsa.ops.decode import nsa_decode
 from nsa.ops.params import BACKENDS
-from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES
+from nsa.ops.triton_support import TRITON_AVAILABLE, TRITON_DTYPES, triton_takes
 
 ATTENTIONS = ("nsa", "dense")
 KV_SHARING = ("independent", "shared")
@@ -157,9 +157,18 @@ class NSAttention(nn.Module):
     def _gates(self, logits: torch.Tensor) -> torch.Tensor:
         """Gate logits [B, T, HQ, 3] before the bias -> the gates: sigmoids, or a one-hot when
         a branch is forced: then the sigmoids enter times zero, so ``gate_proj`` still gets a
-        (zero) gradient, as every parameter must on every rank (DDP waits for each one)."""
+        (zero) gradient, as every parameter must on every rank (DDP waits for each one). The
+        sigmoids: one Triton kernel each way (nsa/ops/triton/branch_gates.py) for CUDA logits
+        of their dtypes where Triton is installed, in place of ~8 small PyTorch kernels;
+        PyTorch elsewhere."""
         c = self.config
-        gates = torch.sigmoid(logits + self.gate_proj.bias.view(c.num_heads, 3).to(logits.dtype))
+        if triton_takes(logits):
+            from nsa.ops.triton.branch_gates import branch_gates_triton
+
+            gates = branch_gates_triton(logits, self.gate_proj.bias)
+        else:
+            bias = self.gate_proj.bias.view(c.num_heads, 3).to(logits.dtype)
+            gates = torch.sigmoid(logits + bias)
         if c.force_branch is not None:
             # Built on the device (no host-to-device copy: CUDA graph capture refuses one).
             branch = torch.arange(3, device=logits.device) == BRANCHES.index(c.force_branch)

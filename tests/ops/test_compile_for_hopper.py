@@ -1,10 +1,11 @@
 """Every Triton kernel launch that the op (forward and backward), the selection op, the fused
-decode step, the cache append, RoPE, the compressors, the model's norms, MLP activation and
-loss make in a CPU run compiles for Hopper (sm_90), with its arguments specialized as a GPU launch
-specializes them (alignment, integers of 1), keeps its tensor-core instructions pipelined (no
-ptxas note that it serialized them) but on the rare non-finite paths and in the masked dK/dV
-(measured faster so), and copies nothing into a shared buffer that an unfinished asynchronous
-tensor-core product still reads (``sm90_stack.copy_races``).
+decode step, the cache append, RoPE, the compressors, the layer's branch gates, the model's
+norms, MLP activation and loss make in a CPU run compiles for Hopper (sm_90), with its
+arguments specialized as a GPU launch specializes them (alignment, integers of 1), keeps its
+tensor-core instructions pipelined (no ptxas note that it serialized them) but on the rare
+non-finite paths and in the masked dK/dV (measured faster so), and copies nothing into a
+shared buffer that an unfinished asynchronous tensor-core product still reads
+(``sm90_stack.copy_races``).
 
 CI has no GPU: there the kernels run in Triton's interpreter, which executes Python that the
 compiler refuses (a tuple of two dtypes assigned in one line did that: the GPU found it, after
@@ -58,6 +59,7 @@ EXPECTED = {
     "compressor._compress_fwd_kernel", "compressor._hidden_grad_kernel",
     "compressor._input_grad_kernel", "compressor._weight_grads_kernel",
     "swiglu._swiglu_fwd_kernel", "swiglu._swiglu_bwd_kernel",
+    "branch_gates._branch_gates_fwd_kernel", "branch_gates._branch_gates_bwd_kernel",
     "rms_norm._rms_norm_fwd_kernel", "rms_norm._rms_norm_bwd_kernel",
     "cross_entropy._cross_entropy_fwd_kernel", "cross_entropy._cross_entropy_bwd_kernel",
 }
@@ -231,6 +233,17 @@ def swiglu_forward_backward(dtype, hidden=40):
     swiglu_triton(gate_up).float().sum().backward()
 
 
+def gates_forward_backward(dtype, heads=12):
+    """The NSA layer's branch gates (nsa/ops/triton/branch_gates.py) forward and backward, of
+    logits viewed in a wider projection's rows as the layer's, with a float32 bias as under
+    autocast; m7c-125m's 12 heads."""
+    from nsa.ops.triton.branch_gates import branch_gates_triton
+
+    y = torch.randn(2, 5, 8 + heads * 3).to(dtype).requires_grad_()
+    bias = torch.zeros(heads * 3, requires_grad=True)
+    branch_gates_triton(y[..., 8:].unflatten(-1, (heads, 3)), bias).float().sum().backward()
+
+
 def norm_forward_backward(dtype, width=40):
     """The model's RMSNorm (nsa/ops/triton/rms_norm.py), alone and after a residual add, forward
     and backward, with a float32 weight and a 16-bit output as under autocast; and rows of
@@ -278,6 +291,7 @@ def everything():
         append_and_rope(dtype, sets=3)
         append_and_rope(dtype, sets=1)
         swiglu_forward_backward(dtype)
+        gates_forward_backward(dtype)
         norm_forward_backward(dtype)
         loss_forward_backward(dtype)
     attention_forward_backward(torch.float32, 300, window=130)
