@@ -129,8 +129,9 @@ def gpu_timeline(intervals: list[tuple[float, float]]) -> dict:
 def kernel_table(activities: list[dict], rows: int) -> list[str]:
     """The ``rows`` largest groups of GPU activities (chrome-trace events: name, dur in µs,
     args.grid) by (name, launch grid), as markdown lines under a total: one kernel launched
-    with two grids (a branch's two modes, a launch and its twin that finds nothing to do, RoPE
-    over more or fewer heads) is two rows, each with its calls and mean time."""
+    with two grids (a branch's two modes, RoPE over more or fewer heads) is two rows, each with
+    its calls and mean time. A launch and its FINITE-off twin (finite.launch_per_flag) have one
+    grid, so they share a row: its mean is the pair's (e.g. 213.5 and 5.9 µs, mean 109.7)."""
     groups: dict[tuple[str, str], list[float]] = {}
     for event in activities:
         grid = event.get("args", {}).get("grid")
