@@ -222,10 +222,12 @@ def softmax_finish(m, l, acc, scale_log2):
 @triton.jit
 def store_rows(o_rows, lse_rows, m, l, acc, row_ok, scale_log2, DV: tl.constexpr,
                BLOCK_DV: tl.constexpr):
-    """Finish the online softmax; store each row's output (at ``o_rows``) and log-sum-exp."""
+    """Finish the online softmax; store each row's output (at ``o_rows``) and log-sum-exp ->
+    the output (float32, in registers)."""
     out, lse = softmax_finish(m, l, acc, scale_log2)
     store_tile(o_rows, out, row_ok, DV, BLOCK_DV)
     tl.store(lse_rows, lse, mask=row_ok)
+    return out
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa.ops.triton.common import all_finite, load_tile, softmax_finish, store_tile
+from nsa.ops.triton.common import all_finite, load_tile, store_rows
 from nsa.ops.triton.jit import kernel
 from nsa.ops.triton.launch import cdiv, pow2, strides
 
@@ -41,6 +41,17 @@ def _rows(N, DV: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _row_gates(GATES, gate_rows, row_ok):
+    """(g_cmp, g_slc, g_win) [rows, 1] float32 of the rows whose gates are at GATES + 3
+    ``gate_rows``."""
+    gates = GATES + gate_rows * 3
+    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    return g_cmp, g_slc, g_win
+
+
+@triton.jit
 def store_gated_sum(O_CMP, O_SLC, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr):
     """out = g_cmp o_cmp + g_slc o_slc + g_win o_win for one tile of rows, at the end of a
@@ -50,10 +61,7 @@ def store_gated_sum(O_CMP, O_SLC, O_WIN, GATES, OUT, o_rows, gate_rows, row_ok,
     columns at a time, so that the epilogue holds no whole tile in registers (one did: 1.6 →
     4.6 KB of stack per thread at 128 rows of 128, offline sm_90 compile, bench/NOTES.md v16)."""
     tl.debug_barrier()  # this program's stores of o_slc, visible to all its threads
-    gates = GATES + gate_rows * 3
-    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_cmp, g_slc, g_win = _row_gates(GATES, gate_rows, row_ok)
     rows = o_rows[:, None]
     for d0 in tl.static_range(0, BLOCK_DV, GATE_CHUNK):
         cols = (d0 + tl.arange(0, GATE_CHUNK))[None, :]
@@ -71,10 +79,7 @@ def store_gated_sum_of(o_slc, O_CMP, O_WIN, GATES, OUT, o_rows, gate_rows, row_o
     branch's output ``o_slc`` [rows, BLOCK_DV] still in registers: only the other two branches'
     outputs are read, as whole tiles (``sum_in_registers``). Offsets as in
     ``store_gated_sum``."""
-    gates = GATES + gate_rows * 3
-    g_cmp = tl.load(gates, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_slc = tl.load(gates + 1, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g_win = tl.load(gates + 2, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g_cmp, g_slc, g_win = _row_gates(GATES, gate_rows, row_ok)
     cols = tl.arange(0, BLOCK_DV)[None, :]
     offsets = o_rows[:, None] + cols
     mask = row_ok[:, None] & (cols < DV)
@@ -89,12 +94,12 @@ def store_selected_rows(O, LSE, O_CMP, O_WIN, GATES, OUT, b, t, hq, T, HQ, m, l,
                         DV: tl.constexpr, BLOCK_DV: tl.constexpr, GATED: tl.constexpr,
                         IN_REGISTERS: tl.constexpr = False):
     """The selected forward kernels' epilogue for rows (b, t, hq): their output and
-    log-sum-exp and, with GATED, the gated sum of the three branches: with IN_REGISTERS from
-    the output in registers (``store_gated_sum_of``), else read back (``store_gated_sum``)."""
+    log-sum-exp (common.store_rows) and, with GATED, the gated sum of the three branches: with
+    IN_REGISTERS from the output in registers (``store_gated_sum_of``), else read back
+    (``store_gated_sum``)."""
     o_rows = b * stride_ob + t * stride_ot + hq * stride_oh
-    o_slc, lse = softmax_finish(m, l, acc, scale_log2)
-    store_tile(O + o_rows, o_slc, row_ok, DV, BLOCK_DV)
-    tl.store(LSE + b * stride_lb + t * stride_lt + hq, lse, mask=row_ok)
+    o_slc = store_rows(O + o_rows, LSE + b * stride_lb + t * stride_lt + hq, m, l, acc, row_ok,
+                       scale_log2, DV, BLOCK_DV)
     if GATED:
         gate_rows = (b * T + t) * HQ + hq
         if IN_REGISTERS:
