@@ -175,7 +175,7 @@ def sum_in_registers(rows: int, dv: int, num_warps: int) -> bool:
     """Whether a selected forward kernel whose tile is ``rows`` x pow2(dv) at ``num_warps``
     takes the gated sum from its output in registers: at most REGISTER_VALUES a thread. So
     the masked forward at m7c-125m's 64 rows of 64 (4 warps) reads 50 MB less a layer at 8 x
-    2k at the same 167 registers and no stack (offline sm_90); a per-position program's 16 rows
+    2k at the same 168 registers and no stack (offline sm_90); a per-position program's 16 rows
     of 128 at one warp (64 a thread) went from 194 registers to 240, and reads back."""
     return rows * pow2(dv) <= REGISTER_VALUES * 32 * num_warps
 
