@@ -11,7 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from nsa.ops.triton.launch import TUNING, launch_shape  # noqa: E402
+from nsa.ops.triton.launch import TUNING, launch_shape, tile_heads  # noqa: E402
 from nsa.ops.triton.selection import _select_kernel, loop_stages  # noqa: E402
 from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
 
@@ -70,8 +70,8 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
     rows, launch = launch_shape(f"masked_{kind}", G=6, head_dim=64)
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=rows,
-                     BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True, FINITE=True,
-                     SMALL_SCALE=True)  # the default scale's launch
+                     TILE_G=tile_heads(6), BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True,
+                     FINITE=True, SMALL_SCALE=True)  # the default scale's launch
     if kind == "dq":
         constants.update(ACCUMULATE=True, WIDE_ROWS=False)  # int32 row offsets at this shape
     else:

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from nsa.ops.triton import selected  # noqa: E402
 from nsa.ops.triton.finite import kv_finite_flags  # noqa: E402
-from nsa.ops.triton.launch import BranchGrad  # noqa: E402
+from nsa.ops.triton.launch import BranchGrad, tile_heads  # noqa: E402
 from nsa.ops.triton.selected_masked import (  # noqa: E402
     POSITIONS_CHUNK,
     block_positions,
@@ -37,6 +37,7 @@ CASES = [
     (1, 300, 8, 2, 16, 16, 128, 2),  # l' = 128: two key tiles per block
     (1, 5, 8, 2, 16, 16, 16, 1),  # T below one block
     (1, 1, 4, 4, 16, 16, 16, 1),  # T = 1
+    (1, 45, 12, 2, 16, 16, 16, 3),  # G = 6: tiles of 2 heads, three a KV head
 ]
 
 
@@ -151,7 +152,7 @@ def tile_kinds(idx, G, rows, sel_block):
     """(plain, masked, skipped) counts of the full key tiles (before a tile's first position)
     the kernels see with ``rows`` rows per tile, from the selection alone."""
     B, T, H, _ = idx.shape
-    P = rows // G
+    P = rows // tile_heads(G)
     tile = min(64, sel_block)
     kinds = [0, 0, 0]
     for b in range(B):

@@ -69,18 +69,28 @@ def longest_first():
 
 
 @triton.jit
-def query_tile_rows(tile, pid_bh, T, H, G: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The rows of query tile ``tile`` of (batch row, KV head) ``pid_bh``: P = BLOCK_R // G
-    positions from t_first x the G query heads of KV head h -> (b, h, query heads hq, row
-    mask, t (int64), t_first, t_last)."""
-    P: tl.constexpr = BLOCK_R // G
+def query_tile_rows(tile, pid, T, H, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                    TILE_G: tl.constexpr):
+    """The rows of query tile ``tile`` of program ``pid`` = (batch row · H + KV head h) ·
+    (G // TILE_G) + s: P = BLOCK_R // TILE_G positions from t_first x the query heads s ·
+    TILE_G, ... of KV head h (``launch.tile_heads``) -> (b, h, query heads hq, row mask, t
+    (int64), t_first, t_last)."""
+    P: tl.constexpr = BLOCK_R // TILE_G
+    pid_bh = group_program(pid, G, TILE_G)
     h = pid_bh % H
     r = tl.arange(0, BLOCK_R)
     t_first = tile * P
-    t = t_first + r // G
-    row_ok = (r < P * G) & (t < T)
+    t = t_first + r // TILE_G
+    row_ok = (r < P * TILE_G) & (t < T)
     t_last = tl.minimum(t_first + P, T) - 1
-    return (pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, t.to(tl.int64), t_first, t_last
+    hq = h * G + (pid % (G // TILE_G)) * TILE_G + r % TILE_G
+    return (pid_bh // H).to(tl.int64), h, hq, row_ok, t.to(tl.int64), t_first, t_last
+
+
+@triton.jit
+def group_program(pid, G: tl.constexpr, TILE_G: tl.constexpr):
+    """The (batch row · H + KV head) of program ``pid`` of ``query_tile_rows``."""
+    return pid // (G // TILE_G)
 
 
 @triton.jit

@@ -260,7 +260,7 @@ def _branches_dq_kernel(
         tl.load(WIN_FINITE + tl.program_id(1)) != 0)
     if finite == FINITE:
         b, _, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
-                                                      G, BLOCK_R)
+                                                      G, BLOCK_R, G)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,

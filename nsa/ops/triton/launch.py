@@ -131,6 +131,15 @@ def pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, next_pow2(x))
 
 
+def tile_heads(G: int) -> int:
+    """Query heads per tile of a kernel whose tiles are positions x heads of one KV head's
+    group (``common.query_tile_rows``): the largest power of two dividing G. Tiles hold a
+    power of two of rows, so a group of G heads that is no power of two left rows of each
+    tile idle: at m7c-125m's G = 6, 10 positions x 6 heads used 60 of 64 rows; 32 positions x
+    2 heads use all (bench/NOTES.md, fifty-first session)."""
+    return G & -G
+
+
 def small_scale(scale: float) -> bool:
     """Whether the kernels' s = scale · log2(e) is <= 1 (every head dim >= 3 at the default
     scale 1/sqrt(D)), so that score differences enter exp2 unmultiplied (common.exp_scale):

@@ -4,8 +4,9 @@ position's selected blocks, Triton kernels then their launch wrappers.
 At T = 2k with the paper's blocks (l' = 64, n = 16) a position selects up to half of the 32
 blocks before it, so the branch is nearly causal attention; the per-position kernels of
 ``selected.py`` (one program per position and KV head, G rows) run it at ~50 TFLOP/s where
-causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x G heads of one
-KV head (as in ``compressed_window.py``; the forward and dq start the last tiles first,
+causal attention runs at ~360 (bench/NOTES.md, v14). Here a tile is P positions x heads of one
+KV head's group (all G heads where G is a power of two, else G's largest power-of-two part, so
+that no row is idle: ``launch.tile_heads``; the forward and dq start the last tiles first,
 ``common.longest_first``) and the keys are the causal range in tiles of
 ``BLOCK_N = min(64, l')`` tokens (fewer for wide float32 tiles: launch.wide_keys), aligned to
 selection blocks: whether a row selected a tile's block is one bit of its row mask (the OR of
@@ -59,6 +60,7 @@ from nsa.ops.triton.common import (
     attend_tile,
     dkdv_tile,
     dq_tile,
+    group_program,
     key_value_tile,
     load_tile,
     longest_first,
@@ -86,6 +88,7 @@ from nsa.ops.triton.launch import (
     small_scale,
     strides,
     sum_segments,
+    tile_heads,
     wide_keys,
     wide_rows,
 )
@@ -162,8 +165,8 @@ def _masked_fwd_kernel(
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, O_CMP, O_WIN, GATES, OUT,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEL_BLOCK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, GATED: tl.constexpr, FINITE: tl.constexpr,
     SMALL_SCALE: tl.constexpr, IN_REGISTERS: tl.constexpr,
 ):
@@ -171,9 +174,10 @@ def _masked_fwd_kernel(
     with GATED (the last branch), also OUT = the gated sum of the three branches (gating.py;
     O_CMP, O_WIN and OUT have O's layout; IN_REGISTERS: gating.sum_in_registers). Runs the
     programs whose KV_FINITE flag equals FINITE (module docstring)."""
-    tile, pid_bh = longest_first()
-    if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
-        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
+    tile, pid = longest_first()
+    if (tl.load(KV_FINITE + group_program(pid, G, TILE_G)) != 0) == FINITE:
+        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid, T, H, G, BLOCK_R,
+                                                                 TILE_G)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         bits = _row_bits(BITS, b, h, t64, row_ok, stride_bb, stride_bt)
@@ -224,8 +228,8 @@ def _masked_dq_kernel(
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEL_BLOCK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
     SMALL_SCALE: tl.constexpr, WIDE_ROWS: tl.constexpr,
 ):
@@ -233,9 +237,10 @@ def _masked_dq_kernel(
     the programs whose KV_FINITE flag equals FINITE (module docstring). DQ_IN and DQ_OUT have
     Q's layout; past the rows' first loads their positions are int32 unless WIDE_ROWS
     (``launch.wide_rows``), as in the dK/dV."""
-    tile, pid_bh = longest_first()
-    if (tl.load(KV_FINITE + pid_bh) != 0) == FINITE:
-        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid_bh, T, H, G, BLOCK_R)
+    tile, pid = longest_first()
+    if (tl.load(KV_FINITE + group_program(pid, G, TILE_G)) != 0) == FINITE:
+        b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid, T, H, G, BLOCK_R,
+                                                                 TILE_G)
         q, do, gate, lse, delta = query_rows_tile(
             Q, DO, GATE, LSE, DELTA, b, t64, hq, row_ok, stride_qb, stride_qt, stride_qh,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DK, DV, BLOCK_DK, BLOCK_DV)
@@ -394,12 +399,13 @@ def _meta(kind: str, q, k, v, params: NSAParams) -> dict:
 
 def _launch(kind: str, q, k, v, params: NSAParams):
     """(grid, meta-parameters and launch options, key descriptors) of the masked forward or
-    dq (one program per query tile; each is launched twice, FINITE on and off, module
-    docstring)."""
+    dq (one program per query tile of ``launch.tile_heads`` heads of a group; each is launched
+    twice, FINITE on and off, module docstring)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _meta(kind, q, k, v, params)
+    meta["TILE_G"] = heads = tile_heads(G)
     kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
-    return (cdiv(T, meta["BLOCK_R"] // G), B * H), meta, kd, vd
+    return (cdiv(T, meta["BLOCK_R"] // heads), B * H * (G // heads)), meta, kd, vd
 
 
 class MaskedSelection(NamedTuple):
