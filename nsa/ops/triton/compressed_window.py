@@ -5,7 +5,11 @@ sequence).
 
 Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R // G`` consecutive
 positions times the ``G`` query heads that share the KV head, so small groups still fill a
-matrix tile (no padding of G). Every row knows its own key range, which also handles packed
+matrix tile (no padding of G). The dq's tiles take G's largest power-of-two part of the heads
+(``launch.tile_heads``) so that no row is idle (m7c-125m's G = 6: 32 positions x 2 heads in
+64 rows, 3-5 % faster than 10 x 6; bench/NOTES.md, fifty-first session); the forwards keep all
+G, whose 128-row tiles leave 2 rows idle where the window's tiles of 64 positions would have
+partial edges three times as wide. Every row knows its own key range, which also handles packed
 variable-length batches. Forward writes the branch output (float32) and its log-sum-exp
 (base 2); backward is deterministic, no atomics: one kernel for dK/dV per branch (per key tile,
 looping over the queries that can see it), and one dq kernel for both branches (per query
@@ -43,6 +47,7 @@ from nsa.ops.triton.common import (
     compressed_count,
     dkdv_tile,
     dq_tile,
+    group_program,
     key_value_tile,
     load_tile,
     partial_tile,
@@ -68,6 +73,7 @@ from nsa.ops.triton.launch import (
     small_scale,
     strides,
     sum_segments,
+    tile_heads,
 )
 
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
@@ -97,17 +103,15 @@ def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
 
 @triton.jit
 def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr,
-                CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
-    """This program's query rows (P positions x G heads of KV head h), their key ranges, and
-    the key tiles lo, lo + BLOCK_N, ... (< hi) their ranges cover, split (``split_tiles``)
-    into full ones (inside every valid row's range) and partial ones."""
-    P: tl.constexpr = BLOCK_R // G
-    pid_bh = tl.program_id(1)
-    h = pid_bh % H
-    r = tl.arange(0, BLOCK_R)
-    t = tl.program_id(0) * P + r // G
-    row_ok = (r < P * G) & (t < T)
+                TILE_G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+                WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
+    """This program's query rows (P positions x TILE_G heads of KV head h, as in
+    ``common.query_tile_rows``), their key ranges, and the key tiles lo, lo + BLOCK_N, ...
+    (< hi) their ranges cover, split (``split_tiles``) into full ones (inside every valid
+    row's range) and partial ones."""
+    b, h, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
+                                                  G, BLOCK_R, TILE_G)
+    t = t64.to(tl.int32)
     lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                 CMP_STRIDE)
     lo = tl.min(lo_r, axis=0)
@@ -115,8 +119,7 @@ def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.const
     full_lo, full_hi, num_partial = split_tiles(
         lo, hi, tl.max(tl.where(row_ok, lo_r, 0), axis=0),
         tl.min(tl.where(row_ok, hi_r, 2147483647), axis=0), BLOCK_N)
-    return ((pid_bh // H).to(tl.int64), h, h * G + r % G, row_ok, lo_r, hi_r, t.to(tl.int64),
-            hi, lo, full_lo, full_hi, num_partial)
+    return b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial
 
 
 @triton.jit
@@ -173,13 +176,15 @@ def _branch_dq(q, do, acc, K, V, KD, VD, GATE, LSE, DELTA, T, H, tok_pos, tok_cm
                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_lb,
                stride_lt, scale_log2, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr,
-               CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr,
-               TMA: tl.constexpr, PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
+               TILE_G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+               WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+               IEEE: tl.constexpr, TMA: tl.constexpr, PARTIAL: tl.constexpr,
+               SMALL_SCALE: tl.constexpr):
     """acc [rows, DK] += one branch's gated Σ_s dS k_s for this program's query rows (its
     partial key tiles, then its full ones)."""
     _, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
+        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
+        CMP_STRIDE)
     rows = b * stride_lb + t64 * stride_lt + hq
     gate = tl.load(GATE + rows, mask=row_ok, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
@@ -214,8 +219,8 @@ def _branch_fwd_kernel(
     plain masks, with no bookkeeping of non-finite values."""
     if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
         b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
-            CMP_STRIDE)
+            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
+            CMP_STRIDE)  # all G heads a tile (module docstring)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -245,8 +250,8 @@ def _branches_dq_kernel(
     stride_vwb, stride_vwt, stride_vwh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, CMP_KEYS: tl.constexpr,
-    WIN_KEYS: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
+    CMP_KEYS: tl.constexpr, WIN_KEYS: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
     CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr, CMP_TMA: tl.constexpr, WIN_TMA: tl.constexpr,
     FINITE: tl.constexpr, SMALL_SCALE: tl.constexpr,
 ):
@@ -256,11 +261,11 @@ def _branches_dq_kernel(
     programs where both branches' keys and values are finite (CMP_FINITE and WIN_FINITE, [B,
     H] int8) if FINITE, the others if not (module docstring): then both branches' partial
     tiles keep the bookkeeping of non-finite values."""
-    finite = (tl.load(CMP_FINITE + tl.program_id(1)) != 0) & (
-        tl.load(WIN_FINITE + tl.program_id(1)) != 0)
+    pid_bh = group_program(tl.program_id(1), G, TILE_G)
+    finite = (tl.load(CMP_FINITE + pid_bh) != 0) & (tl.load(WIN_FINITE + pid_bh) != 0)
     if finite == FINITE:
         b, _, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
-                                                      G, BLOCK_R, G)
+                                                      G, BLOCK_R, TILE_G)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
@@ -269,12 +274,12 @@ def _branches_dq_kernel(
         acc = _branch_dq(q, do, acc, KC, VC, KCD, VCD, GATE_CMP, LSE_CMP, DELTA_CMP, T, H,
                          tok_pos, tok_cmp_start, b, stride_kcb, stride_kct, stride_kch,
                          stride_vcb, stride_vct, stride_vch, stride_lb, stride_lt, scale_log2,
-                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, CMP_KEYS, 0, WINDOW,
+                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, TILE_G, CMP_KEYS, 0, WINDOW,
                          CMP_BLOCK, CMP_STRIDE, IEEE, CMP_TMA, not FINITE, SMALL_SCALE)
         acc = _branch_dq(q, do, acc, KW, VW, KWD, VWD, GATE_WIN, LSE_WIN, DELTA_WIN, T, H,
                          tok_pos, tok_cmp_start, b, stride_kwb, stride_kwt, stride_kwh,
                          stride_vwb, stride_vwt, stride_vwh, stride_lb, stride_lt, scale_log2,
-                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, WIN_KEYS, 1, WINDOW,
+                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, TILE_G, WIN_KEYS, 1, WINDOW,
                          CMP_BLOCK, CMP_STRIDE, IEEE, WIN_TMA, not FINITE, SMALL_SCALE)
         rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
         accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, True)
@@ -475,14 +480,16 @@ def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params,
     # [B, NK, H, D] descriptors of a tile of keys: the full key tiles load through TMA.
     kcd, vcd, cmp_tma = descriptor_pair(cmp.k, cmp.v, [1, cmp_keys, 1])
     kwd, vwd, win_tma = descriptor_pair(win.k, win.v, [1, win_keys, 1])
+    heads = tile_heads(G)
     launch_per_flag(
-        _branches_dq_kernel, (cdiv(T, R // G), B * H),
+        _branches_dq_kernel, (cdiv(T, R // heads), B * H * (G // heads)),
         q, cmp.k, cmp.v, kcd, vcd, win.k, win.v, kwd, vwd, do, cmp.gate, win.gate, cmp.lse,
         win.lse, cmp.delta, win.delta, dq_sum, dq, tables.tok_pos, tables.tok_cmp_start,
         cmp.kv_finite, win.kv_finite, *strides(q), *strides(cmp.k), *strides(cmp.v),
         *strides(win.k), *strides(win.v), *strides(do), *cmp.lse.stride()[:2], T, H,
         scale * LOG2E, scale,
-        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, CMP_KEYS=cmp_keys,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, TILE_G=heads,
+        CMP_KEYS=cmp_keys,
         WIN_KEYS=win_keys, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, CMP_TMA=cmp_tma,
         WIN_TMA=win_tma, SMALL_SCALE=small_scale(scale), **launch,
