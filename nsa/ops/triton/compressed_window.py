@@ -5,11 +5,10 @@ sequence).
 
 Rows of a tile are (position, query head) pairs of one KV head: ``P = BLOCK_R // G`` consecutive
 positions times the ``G`` query heads that share the KV head, so small groups still fill a
-matrix tile (no padding of G). The dq's tiles take G's largest power-of-two part of the heads
-(``launch.tile_heads``) so that no row is idle (m7c-125m's G = 6: 32 positions x 2 heads in
-64 rows, 3-5 % faster than 10 x 6; bench/NOTES.md, fifty-first session); the forwards keep all
-G, whose 128-row tiles leave 2 rows idle where the window's tiles of 64 positions would have
-partial edges three times as wide. Every row knows its own key range, which also handles packed
+matrix tile (no padding of G). The forward and dq tiles take G's largest power-of-two part of
+the heads (``launch.tile_heads``) so that no row is idle (m7c-125m's G = 6: 32 positions x 2
+heads in 64 rows where 10 x 6 left 4 idle: the dq 3-5 % faster; bench/NOTES.md, fifty-first
+session). Every row knows its own key range, which also handles packed
 variable-length batches. Forward writes the branch output (float32) and its log-sum-exp
 (base 2); backward is deterministic, no atomics: one kernel for dK/dV per branch (per key tile,
 looping over the queries that can see it), and one dq kernel for both branches (per query
@@ -209,18 +208,19 @@ def _branch_fwd_kernel(
     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, NK, H, scale_log2,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr, FINITE: tl.constexpr, SMALL_SCALE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+    CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, FINITE: tl.constexpr,
+    SMALL_SCALE: tl.constexpr,
 ):
     """O, LSE = this branch's output (float32) and log-sum-exp. Runs the programs whose
     KV_FINITE flag equals FINITE (module docstring): KV_FINITE[b, h] (int8) is 1 when every key
     and value of the batch row and KV head is finite, and the partial tiles then take the
     plain masks, with no bookkeeping of non-finite values."""
-    if (tl.load(KV_FINITE + tl.program_id(1)) != 0) == FINITE:
+    if (tl.load(KV_FINITE + group_program(tl.program_id(1), G, TILE_G)) != 0) == FINITE:
         b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
-            CMP_STRIDE)  # all G heads a tile (module docstring)
+            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
+            CMP_STRIDE)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -441,14 +441,15 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     N = launch_keys(family, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
-    grid = (cdiv(T, R // G), B * H)
+    heads = tile_heads(G)
+    grid = (cdiv(T, R // heads), B * H * (G // heads))
     launch_per_flag(
         _branch_fwd_kernel, grid,
         q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
         *strides(q), *strides(k), *strides(v), *strides(o), *lse.stride()[:2],
         T, k.shape[1], H, scale * LOG2E,
-        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, BLOCK_N=N,
-        MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
+        G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, TILE_G=heads,
+        BLOCK_N=N, MODE=mode, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
         CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, TMA=tma,
         SMALL_SCALE=small_scale(scale), **launch,
     )
