@@ -73,8 +73,13 @@ TUNING = {
 # compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
 # programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
 # over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331,
-# 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session).
+# 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session). The compressed and
+# window forwards at 64 rows since their tiles hold launch.tile_heads' heads (32 positions x 2
+# heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at 64 rows of 10 x 6
+# they were 0.110-0.116 and 0.055-0.058; fifty-first session).
 NARROW_TUNING = {
+    "cmp_fwd": dict(rows=64),
+    "win_fwd": dict(rows=64),
     "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
