@@ -138,8 +138,8 @@ def finite_flags(*tensors):
         torch.int8)[:, None]
 
 
-# The compressed and window kernels alone, at a shape where full and partial tiles meet: 128-row
-# query tiles of P = 8 positions (G = 16 query heads over one KV head), key tiles of 64, w = 136
+# The compressed and window kernels alone, at a shape where full and partial tiles meet: 64-row
+# query tiles of P = 4 positions (G = 16 query heads over one KV head), key tiles of 64, w = 136
 # and l = 4, d = 2 (query tiles from t = 136 on hold full key tiles of both branches). The NaN
 # is first seen inside a query tile: at t = 123 (compressed token 60, in the key tile [0, 64)
 # that is full for t >= 136) and t = 149 (window, full for some query tiles from t = 160).
@@ -184,25 +184,28 @@ def run_branch(mode, q, do, k, v):
     return o, lse, dq, dk, dv
 
 
-def branch_inputs(mode, B, seed):
-    """q, do [B, BRANCH_T, BRANCH_G, 16] and k, v [B, keys, 1, 16] of run_branch."""
+def branch_inputs(mode, B, seed, heads=BRANCH_G):
+    """q, do [B, BRANCH_T, heads, 16] and k, v [B, keys, 1, 16] of run_branch."""
     g = torch.Generator().manual_seed(seed)
     keys = BRANCH_P.compressed_length(BRANCH_T) if mode == "compressed" else BRANCH_T
-    shapes = {"q": (B, BRANCH_T, BRANCH_G, 16), "do": (B, BRANCH_T, BRANCH_G, 16),
+    shapes = {"q": (B, BRANCH_T, heads, 16), "do": (B, BRANCH_T, heads, 16),
               "k": (B, keys, 1, 16), "v": (B, keys, 1, 16)}
     return {n: torch.randn(*shape, generator=g).to(DEVICE) for n, shape in shapes.items()}
 
 
 @needs_triton
+@pytest.mark.parametrize("heads", [BRANCH_G, 6], ids=["G16", "G6"])
 @pytest.mark.parametrize("name", ["k", "v"])
 @pytest.mark.parametrize("mode", ["compressed", "window"])
-def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode, name):
+def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode, name, heads):
     """A NaN key or value first seen by a query in the middle of a query tile: the queries
     before it (earlier ones of the same tile included) keep their outputs, log-sum-exps and dq
     bit for bit; every query that sees it gets a non-finite output and dq (through full tiles
-    too); window keys that no such query sees keep their dk and dv."""
+    too); window keys that no such query sees keep their dk and dv. At G = 6 a tile holds 32
+    positions x 2 of the group's heads (launch.tile_heads): three programs of the KV head
+    read its one flag."""
     T, p = BRANCH_T, BRANCH_P
-    x = branch_inputs(mode, 1, seed=4)
+    x = branch_inputs(mode, 1, seed=4, heads=heads)
     first_seen = FIRST_SEEN[mode]
     nan_at = (first_seen - p.cmp_block + 1) // p.cmp_stride if mode == "compressed" else first_seen
     seen = slice(first_seen, T if mode == "compressed" else first_seen + p.window)
@@ -222,20 +225,22 @@ def test_nan_after_a_query_in_its_tile_reaches_only_the_queries_that_see_it(mode
 
 
 @needs_triton
-@pytest.mark.parametrize("transposed", [False, True], ids=["tiles", "transposed-dkdv-tiles"])
+@pytest.mark.parametrize(("transposed", "heads"), [(False, BRANCH_G), (True, BRANCH_G), (False, 6)],
+                         ids=["tiles", "transposed-dkdv-tiles", "tiles-G6"])
 @pytest.mark.parametrize("name", ["k", "v", "q", "do"])
 @pytest.mark.parametrize("mode", ["compressed", "window"])
 def test_a_nan_in_one_batch_row_leaves_the_other_rows_path_and_results(mode, name, transposed,
-                                                                        monkeypatch):
+                                                                        heads, monkeypatch):
     """The compressed and window kernels take their partial tiles without the non-finite
     bookkeeping for each (batch row, KV head) whose keys and values (forward, dq) or whose
     queries, output gradients and gates (dK/dV) are all finite (finite.py; each kernel is
     launched once per flag value). A NaN in batch row 1 sends row 1 through the bookkeeping
     while row 0 takes the plain masks, its outputs and gradients bit for bit as when both rows
     are finite; with the dK/dV's tiles computed either way (``transposed``: p^T and dS^T as
-    [keys, rows])."""
+    [keys, rows]); at G = 6 the forward and dq tiles hold 2 of the group's heads
+    (launch.tile_heads), three programs of a (batch row, KV head) reading its one flag."""
     transpose_dkdv_tiles(monkeypatch, transposed)
-    x = branch_inputs(mode, 2, seed=5)
+    x = branch_inputs(mode, 2, seed=5, heads=heads)
     clean = run_branch(mode, **x)
     x[name] = x[name].clone()
     x[name][1, x[name].shape[1] // 2, 0, 3] = float("nan")
