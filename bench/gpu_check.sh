@@ -11,7 +11,10 @@
 #        erroring test). $TESTS narrows it; PART=k/n runs the k-th of n shares of its test
 #        files (every n-th file in sorted order: the whole suite takes more than one call's
 #        10 minutes; on an H200 (2026-11-29) PART=1/2 ran 465 s with 14 workers and PART=2/2
-#        254 s with JOBS=16, so two calls; run both halves from one tree).
+#        254 s with JOBS=16, so two calls; run both halves from one tree). TESTS_LIMIT=S
+#        stops pytest after S seconds (SIGINT: it still writes what ran) and lists the tests
+#        it had started but not finished in $OUT/unfinished.txt, so that a call's limit
+#        costs no results (wrap this stage in no outer `timeout`).
 # suite: the whole suite in one call on every GPU of the machine ($GPUS, default all that
 #        nvidia-smi lists): $SHARES (12) shares of the test files (PART above), taken from one
 #        queue by $LANES (2) lanes a GPU, each running the tests stage with $LANE_JOBS (8)
@@ -65,11 +68,26 @@ PY
             echo "tests: part $PART, ${#targets[@]} of ${#files[@]} test files"
             if [ ${#targets[@]} -eq 0 ]; then continue; fi  # pytest would run every test
         fi
-        $PY -m pytest -v -rfE --tb=short --durations=30 -p no:cacheprovider "${parallel[@]}" \
-            "${targets[@]}" > "$OUT/tests.log" 2>&1 || status=1
+        limit=()
+        [ -n "${TESTS_LIMIT:-}" ] && limit=(timeout --signal=INT --kill-after=20 "$TESTS_LIMIT")
+        "${limit[@]}" $PY -m pytest -v -rfE --tb=short --durations=30 -p no:cacheprovider \
+            "${parallel[@]}" "${targets[@]}" > "$OUT/tests.log" 2>&1 || status=1
         grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | sort -u > "$OUT/failed.txt"
+        # Tests named in the log with no outcome (verbose lines: "OUTCOME id" under xdist,
+        # "id OUTCOME" without): started, then stopped by TESTS_LIMIT.
+        id='tests/[^ ]+::[^ ]+' outcome='(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)'
+        grep -oE "$outcome $id|$id $outcome" "$OUT/tests.log" | grep -oE "$id" \
+            > "$OUT/finished.txt"
+        grep -oE "$id" "$OUT/tests.log" | awk '!seen[$0]++' \
+            | grep -vxFf "$OUT/finished.txt" > "$OUT/unfinished.txt"
+        rm "$OUT/finished.txt"
         echo "tests: $(tail -1 "$OUT/tests.log")"
-        echo "failed or erroring: $(wc -l < "$OUT/failed.txt")"; cat "$OUT/failed.txt" ;;
+        echo "failed or erroring: $(wc -l < "$OUT/failed.txt")"; cat "$OUT/failed.txt"
+        if [ -s "$OUT/unfinished.txt" ]; then
+            status=1
+            echo "unfinished (stopped by TESTS_LIMIT): $(wc -l < "$OUT/unfinished.txt")"
+            cat "$OUT/unfinished.txt"
+        fi ;;
     suite)
         gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
         (( gpus >= 1 )) || gpus=1
@@ -85,7 +103,7 @@ PY
                     echo "share $share: not run (time)" | tee -a "$queue/results"; continue
                 fi
                 CUDA_VISIBLE_DEVICES=$1 OUT="$OUT/share$share" PART=$share/$shares \
-                    JOBS=${LANE_JOBS:-8} timeout "$left" bash "$0" tests \
+                    JOBS=${LANE_JOBS:-8} TESTS_LIMIT="$left" bash "$0" tests \
                     > "$OUT/share$share.log" 2>&1
                 code=$?
                 echo "share $share (GPU $1, exit $code, $((SECONDS - began)) s):" \

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh's tests stage: PART=k/n splits the test files into n disjoint shares that
-together hold every file; its suite stage runs every share once, on lanes spread over the GPUs
-(run here with a stand-in python that records pytest's arguments and its GPU)."""
+together hold every file, and TESTS_LIMIT stops pytest and lists the tests it left unfinished;
+its suite stage runs every share once, on lanes spread over the GPUs (run here with a stand-in
+python that records pytest's arguments and its GPU)."""
 
 import os
 import pathlib
@@ -11,9 +12,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS = "tests/bench tests/eval"
-STAND_IN = """import os, sys
+STAND_IN = """import os, sys, time
 if sys.argv[1:3] == ["-m", "pytest"]:
     print("PYTEST", "GPU" + os.environ.get("CUDA_VISIBLE_DEVICES", "-"), *sys.argv[3:])
+    if os.environ.get("STAND_IN_HANGS"):  # one test passes, the next never ends
+        print("tests/a.py::test_one PASSED [ 50%]")
+        print("tests/a.py::test_two[x-1] ", flush=True)
+        time.sleep(60)
     sys.exit(0)
 sys.exit(1)  # "import xdist" fails: no -n
 """
@@ -62,6 +67,20 @@ def test_a_bad_part_is_refused(tmp_path, part):
     done, _ = run_tests_stage(tmp_path, part)
     assert done.returncode == 2
     assert "PART must be k/n" in done.stderr
+
+
+def test_tests_limit_stops_pytest_and_lists_the_tests_it_left_unfinished(tmp_path):
+    done, out = run_stage(tmp_path, "tests", "stopped", STAND_IN_HANGS="1", TESTS_LIMIT="2")
+    assert done.returncode == 1
+    assert (out / "unfinished.txt").read_text().splitlines() == ["tests/a.py::test_two[x-1]"]
+    assert "unfinished (stopped by TESTS_LIMIT): 1" in done.stdout
+
+
+def test_a_finished_run_leaves_no_test_unfinished(tmp_path):
+    done, log = run_tests_stage(tmp_path, "1/1")
+    assert done.returncode == 0, done.stderr
+    assert (log.parent / "unfinished.txt").read_text() == ""
+    assert "unfinished" not in done.stdout
 
 
 def test_suite_runs_every_share_once_on_lanes_over_every_gpu(tmp_path):
