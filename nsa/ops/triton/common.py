@@ -57,15 +57,16 @@ def gelu_grad(x):
 
 @triton.jit
 def longest_first():
-    """(tile, pid_bh) of this program in a grid (tiles, B·H) whose tiles' work grows with the
-    tile's index (query tiles of a causal range). Programs start in the order of their linear
-    id (axis 0 fastest); that id is mapped to every (batch row, KV head)'s last tile, then
-    every one's second-to-last, and so on, so the programs that start last are the shortest
-    and the SMs finish together (a longest-first list schedule; bench/NOTES.md, v35)."""
+    """(tile, pid) of this program in a grid (tiles, B·H or, with ``query_tile_rows``' head
+    subsets, B·H·subsets) whose tiles' work grows with the tile's index (query tiles of a
+    causal range). Programs start in the order of their linear id (axis 0 fastest); that id
+    is mapped to every axis-1 index's last tile, then every one's second-to-last, and so on,
+    so the programs that start last are the shortest and the SMs finish together (a
+    longest-first list schedule; bench/NOTES.md, v35)."""
     num_tiles = tl.num_programs(0)
-    num_bh = tl.num_programs(1)
+    num_pids = tl.num_programs(1)
     linear = tl.program_id(1) * num_tiles + tl.program_id(0)
-    return num_tiles - 1 - linear // num_bh, linear % num_bh
+    return num_tiles - 1 - linear // num_pids, linear % num_pids
 
 
 @triton.jit
