@@ -68,11 +68,11 @@ from nsa.ops.triton.launch import (
     launch_shape,
     launch_transposed,
     pow2,
+    query_tile_grid,
     shapes,
     small_scale,
     strides,
     sum_segments,
-    tile_heads,
 )
 
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
@@ -441,8 +441,7 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     N = launch_keys(family, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])
-    heads = tile_heads(G)
-    grid = (cdiv(T, R // heads), B * H * (G // heads))
+    grid, heads = query_tile_grid(B, T, H, G, R)
     launch_per_flag(
         _branch_fwd_kernel, grid,
         q, k, v, kd, vd, o, lse, tables.tok_pos, tables.tok_cmp_start, kv_finite,
@@ -481,9 +480,9 @@ def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params,
     # [B, NK, H, D] descriptors of a tile of keys: the full key tiles load through TMA.
     kcd, vcd, cmp_tma = descriptor_pair(cmp.k, cmp.v, [1, cmp_keys, 1])
     kwd, vwd, win_tma = descriptor_pair(win.k, win.v, [1, win_keys, 1])
-    heads = tile_heads(G)
+    grid, heads = query_tile_grid(B, T, H, G, R)
     launch_per_flag(
-        _branches_dq_kernel, (cdiv(T, R // heads), B * H * (G // heads)),
+        _branches_dq_kernel, grid,
         q, cmp.k, cmp.v, kcd, vcd, win.k, win.v, kwd, vwd, do, cmp.gate, win.gate, cmp.lse,
         win.lse, cmp.delta, win.delta, dq_sum, dq, tables.tok_pos, tables.tok_cmp_start,
         cmp.kv_finite, win.kv_finite, *strides(q), *strides(cmp.k), *strides(cmp.v),

@@ -145,6 +145,13 @@ def tile_heads(G: int) -> int:
     return G & -G
 
 
+def query_tile_grid(B: int, T: int, H: int, G: int, rows: int) -> tuple[tuple[int, int], int]:
+    """(grid, heads per tile) of a kernel whose programs are ``common.query_tile_rows``' query
+    tiles of ``rows`` rows: (query tiles, B·H·head subsets), ``tile_heads(G)`` heads a tile."""
+    heads = tile_heads(G)
+    return (cdiv(T, rows // heads), B * H * (G // heads)), heads
+
+
 def small_scale(scale: float) -> bool:
     """Whether the kernels' s = scale · log2(e) is <= 1 (every head dim >= 3 at the default
     scale 1/sqrt(D)), so that score differences enter exp2 unmultiplied (common.exp_scale):

@@ -84,11 +84,11 @@ from nsa.ops.triton.launch import (
     dkdv_segment,
     launch_shape,
     pow2,
+    query_tile_grid,
     shapes,
     small_scale,
     strides,
     sum_segments,
-    tile_heads,
     wide_keys,
     wide_rows,
 )
@@ -403,9 +403,9 @@ def _launch(kind: str, q, k, v, params: NSAParams):
     twice, FINITE on and off, module docstring)."""
     B, T, HQ, H, G, Dk, Dv = shapes(q, k, v)
     meta = _meta(kind, q, k, v, params)
-    meta["TILE_G"] = heads = tile_heads(G)
+    grid, meta["TILE_G"] = query_tile_grid(B, T, H, G, meta["BLOCK_R"])
     kd, vd, meta["TMA"] = descriptor_pair(k, v, [1, meta["BLOCK_N"], 1])
-    return (cdiv(T, meta["BLOCK_R"] // heads), B * H * (G // heads)), meta, kd, vd
+    return grid, meta, kd, vd
 
 
 class MaskedSelection(NamedTuple):
