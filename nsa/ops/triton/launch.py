@@ -68,9 +68,10 @@ TUNING = {
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
-# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq at 64 rows since its tiles hold
-# launch.tile_heads' heads: 0.186 ms against 0.200 at 128 (fifty-first session's tune; at
-# v34's tiles of G = 6 heads 128 rows had been faster, 0.228 against 0.247). cw_dq's 32
+# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq at 64 rows and 2 stages since its
+# tiles hold launch.tile_heads' heads: 0.170 ms against 0.186 at 3 stages and 0.199 at 128
+# rows, no stack offline where 128 rows had 520 B (fifty-second session; at v34's tiles of
+# G = 6 heads 128 rows had been faster, 0.228 against 0.247). cw_dq's 32
 # compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
 # programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
 # over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331,
@@ -86,7 +87,7 @@ NARROW_TUNING = {
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=2),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
-    "masked_dq": dict(rows=64, num_warps=4, num_stages=3),
+    "masked_dq": dict(rows=64, num_warps=4, num_stages=2),
 }
 
 
