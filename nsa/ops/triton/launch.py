@@ -70,15 +70,16 @@ TUNING = {
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
 # the dq's 64 rows, 4 warps, 3 stages v18). The masked dq at 64 rows and 2 stages since its
 # tiles hold launch.tile_heads' heads: 0.170 ms against 0.186 at 3 stages and 0.199 at 128
-# rows, no stack offline where 128 rows had 520 B (fifty-second session; at v34's tiles of
-# G = 6 heads 128 rows had been faster, 0.228 against 0.247). cw_dq's 32
-# compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two
-# programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV
-# over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331,
-# 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session). The compressed and
-# window forwards at 64 rows since their tiles hold launch.tile_heads' heads (32 positions x 2
-# heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at 64 rows of 10 x 6
-# they were 0.110-0.116 and 0.055-0.058; fifty-first session).
+# rows, no stack offline where 128 rows had 520 B; the graphed m7c step did not resolve it
+# (fifty-second session; at v34's tiles of G = 6 heads 128 rows had been faster, 0.228
+# against 0.247). cw_dq's 32 compressed keys keep its m7c launch at 168 registers (offline
+# sm_90; 64 keys: 204, two programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth
+# session). The masked dK/dV over each block's positions, both loops pipelined: 128 / 4 / 2
+# (0.312 ms; 64 / 4 / 2 0.331, 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth
+# session). The compressed and window forwards at 64 rows since their tiles hold
+# launch.tile_heads' heads (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms,
+# compressed 0.050 -> 0.046 (at 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058;
+# fifty-first session).
 NARROW_TUNING = {
     "cmp_fwd": dict(rows=64),
     "win_fwd": dict(rows=64),
