@@ -66,7 +66,7 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     spill nothing (0.37 against >= 0.49 ms, 0.40 against >= 0.46 ms: bench/NOTES.md, v14);
     v19's branch-free loop over 3 stages: 96 B and 696 B; v20 launches 64 rows; v34 the dq
     at 128 again (584 B, 8 % faster than 64 rows at 8 x 2k); the fifty-second session's dq
-    at 64 rows (tiles of launch.tile_heads' heads: 0 B, 520 at 128). More must
+    at 64 rows (tiles of launch.tile_heads' heads: 0 B; 520-544 at 128). More must
     show: v15's first try, which scaled do by the gate as it loaded it, took the dq to 1016 B
     and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
     rows, launch = launch_shape(f"masked_{kind}", G=6, head_dim=64)
