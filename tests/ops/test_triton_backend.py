@@ -395,6 +395,28 @@ def test_triton_op_called_on_another_stream_equals_the_default_stream(case):
         assert torch.equal(a, b), f"{name} differs on another stream"
 
 
+def test_a_strided_query_gets_its_contiguous_copys_output_and_gradients():
+    """q a view with padded rows (last stride 1, others larger): the op reads it through its
+    strides and writes dq into new tensors, laid out as the contiguous copy it takes for the
+    backward. (It wrote dq through the view's strides into contiguous tensors, past their end,
+    until the fifty-third session.)"""
+    B, T, HQ, H, D = 1, 100, 4, 2, 16
+    p = dict(cmp_block=16, cmp_stride=8, sel_block=16, num_selected=4, window=32)
+    Tc = (T - p["cmp_block"]) // p["cmp_stride"] + 1
+    padded = seeded_randn(B, T, HQ, D + 8, seed=3).to(DEVICE)
+    k, v, k_cmp, v_cmp = (seeded_randn(B, n, H, D, seed=4 + i).to(DEVICE)
+                          for i, n in enumerate((T, T, Tc, Tc)))
+    gates = torch.rand(B, T, HQ, 3, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    results = []
+    for q in (padded[..., :D].contiguous(), padded[..., :D]):
+        q = q.detach().requires_grad_()
+        out = nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, backend="triton", **p)
+        (dq,) = torch.autograd.grad(out, q, seeded_randn(*out.shape, seed=9).to(out))
+        results.append((out, dq))
+    (out, dq), (strided_out, strided_dq) = results
+    assert torch.equal(strided_out, out) and torch.equal(strided_dq, dq)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_triton_256k_bf16_has_no_overflow():
     """T = 256k in bf16 (HQ=16, G=16, D=64): output and every gradient finite, outputs bounded
