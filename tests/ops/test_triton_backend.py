@@ -395,26 +395,33 @@ def test_triton_op_called_on_another_stream_equals_the_default_stream(case):
         assert torch.equal(a, b), f"{name} differs on another stream"
 
 
-def test_a_strided_query_gets_its_contiguous_copys_output_and_gradients():
-    """q a view with padded rows (last stride 1, others larger): the op reads it through its
-    strides and writes dq into new tensors, laid out as the contiguous copy it takes for the
-    backward. (It wrote dq through the view's strides into contiguous tensors, past their end,
-    until the fifty-third session.)"""
+def test_strided_inputs_get_their_contiguous_copies_output_and_gradients():
+    """Every input a view with padded rows (last stride 1, the others larger), as views of a
+    user's fused projection are: the op reads them through their strides and writes each
+    gradient into a new tensor, and gives the contiguous copies' output and gradients bitwise.
+    (The backward wrote dq through q's strides into contiguous tensors, past their end, until
+    the fifty-third session.)"""
     B, T, HQ, H, D = 1, 100, 4, 2, 16
     p = dict(cmp_block=16, cmp_stride=8, sel_block=16, num_selected=4, window=32)
     Tc = (T - p["cmp_block"]) // p["cmp_stride"] + 1
-    padded = seeded_randn(B, T, HQ, D + 8, seed=3).to(DEVICE)
-    k, v, k_cmp, v_cmp = (seeded_randn(B, n, H, D, seed=4 + i).to(DEVICE)
-                          for i, n in enumerate((T, T, Tc, Tc)))
-    gates = torch.rand(B, T, HQ, 3, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    shapes = {"q": (T, HQ, D), "k": (T, H, D), "v": (T, H, D), "k_cmp": (Tc, H, D),
+              "v_cmp": (Tc, H, D), "gates": (T, HQ, 3), "k_win": (T, H, D), "v_win": (T, H, D)}
+    padded = {name: seeded_randn(B, *shape[:-1], shape[-1] + 8, seed=3 + i).to(DEVICE)
+              for i, (name, shape) in enumerate(shapes.items())}
+    padded["gates"] = padded["gates"].sigmoid()
     results = []
-    for q in (padded[..., :D].contiguous(), padded[..., :D]):
-        q = q.detach().requires_grad_()
-        out = nsa.nsa_attention(q, k, v, k_cmp, v_cmp, gates, backend="triton", **p)
-        (dq,) = torch.autograd.grad(out, q, seeded_randn(*out.shape, seed=9).to(out))
-        results.append((out, dq))
-    (out, dq), (strided_out, strided_dq) = results
-    assert torch.equal(strided_out, out) and torch.equal(strided_dq, dq)
+    for contiguous in (True, False):
+        x = {name: t[..., :shapes[name][-1]] for name, t in padded.items()}
+        x = {name: (t.contiguous() if contiguous else t).detach().requires_grad_()
+             for name, t in x.items()}
+        assert contiguous or not x["q"].is_contiguous()
+        out = nsa.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],
+                                k_win=x["k_win"], v_win=x["v_win"], backend="triton", **p)
+        grads = torch.autograd.grad(out, list(x.values()), seeded_randn(*out.shape, seed=9)
+                                    .to(out))
+        results.append((out, *grads))
+    for name, a, b in zip(("output", *shapes), *results, strict=True):
+        assert torch.equal(a, b), f"{name} differs for strided inputs"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
