@@ -128,8 +128,10 @@ def stages(B, T, HQ, H, D):
                 q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale)),
             ("slc dkdv+dq", lambda: block_backward(
                 q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale, dq=dq))],
-        "masked_dq": [("slc dq", lambda: masked_dq(
-            q, k, v, selection, g_slc, lse_slc, d_slc, dq, PAPER, scale))] if masked else [],
+        # As the op launches it at short T: the three branches' dq in one kernel.
+        "masked_dq": [("all dq", lambda: masked_dq(
+            q, k, v, selection, g_slc, lse_slc, d_slc, dq, PAPER, scale, accumulate=False,
+            dq_out=dq_out, branches=(cmp_dq, win_dq, layout)))] if masked else [],
         "masked_dkdv": [("slc dkdv", lambda: masked_dkdv(
             q, k, v, selection, g_slc, lse_slc, d_slc, PAPER, scale))] if masked else [],
     }

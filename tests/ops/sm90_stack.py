@@ -45,13 +45,14 @@ def run_offline(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: int,
-                 aligned=None):
+                 aligned=None, maxnreg=None):
     """The kernel compiled for sm_90. Argument types by name (int32 where not given), constexpr
     values by name; ``aligned``: the names of the arguments a launch specializes as multiples
     of 16 (pointers to 16-byte aligned data, integers divisible by 16), default every pointer
     argument. A GPU launch specializes them so (its cache key holds each argument's
     alignment), and the code differs: without it no load is vectorized or asynchronous
-    (cp.async), and registers and spills are not those of the launches that run."""
+    (cp.async), and registers and spills are not those of the launches that run. ``maxnreg``:
+    the launch's register cap, where it has one."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
     if aligned is None:
@@ -60,8 +61,10 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, num_stages: i
     source = ASTSource(fn, signature,
                        constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:  # a launch's register cap (launch.launch_shape)
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _cuobjdump(kernel, option: str) -> str:
@@ -186,7 +189,7 @@ def compile_launch(kernel: str, launch: dict):
     fn = triton_function(getattr(importlib.import_module(f"nsa.ops.triton.{module_name}"),
                                  kernel_name))
     return compile_sm90(fn, launch["types"], launch["constants"], launch["num_warps"],
-                        launch["num_stages"], launch.get("aligned"))
+                        launch["num_stages"], launch.get("aligned"), launch.get("maxnreg"))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ pytestmark = [
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
          torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
          torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages")
 # Kernels the recorded work must launch (the recording itself is checked by this).
 EXPECTED = {
     "compressed_window._branch_fwd_kernel", "compressed_window._branches_dq_kernel",
@@ -90,7 +89,7 @@ def argument_type(value) -> str:
 
 
 def launch_record(fn, args, kwargs) -> dict:
-    """{"kernel", "types", "constants", "aligned", "num_warps", "num_stages"} of one
+    """{"kernel", "types", "constants", "aligned", "num_warps", "num_stages", "maxnreg"} of one
     interpreted launch, its arguments specialized as a GPU launch specializes them (Triton's
     own rule: pointers to 16-byte aligned data and integers divisible by 16 are "aligned",
     an integer 1 is a constant)."""
@@ -115,7 +114,8 @@ def launch_record(fn, args, kwargs) -> dict:
         types[name] = argument_type(value)
     return dict(kernel=f"{fn.__module__.removeprefix('nsa.ops.triton.')}.{fn.__name__}",
                 types=types, constants=constants, aligned=aligned,
-                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
+                num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3),
+                maxnreg=kwargs.get("maxnreg"))
 
 
 def recorded_launches(work) -> list[dict]:

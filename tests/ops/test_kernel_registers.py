@@ -19,11 +19,11 @@ needs_cuda_tools = pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build h
 
 
 def sm90_stack(kernel: str, types: dict, constants: dict, num_warps: int,
-               num_stages: int, aligned=None) -> int:
+               num_stages: int, aligned=None, maxnreg=None) -> int:
     """Stack bytes per thread of nsa.ops.triton.``kernel`` for sm_90 (tests/ops/sm90_stack.py,
-    in a process without the interpreter); ``aligned``: as ``compile_sm90``'s."""
+    in a process without the interpreter); ``aligned``, ``maxnreg``: as ``compile_sm90``'s."""
     launch = dict(types=types, constants=constants, num_warps=num_warps, num_stages=num_stages,
-                  aligned=aligned)
+                  aligned=aligned, maxnreg=maxnreg)
     result = run_offline(kernel, json.dumps(launch), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return int(result.stdout.split()[-1])
@@ -68,20 +68,30 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     at 128 again (584 B, 8 % faster than 64 rows at 8 x 2k); the fifty-second session's dq
     at 64 rows (tiles of launch.tile_heads' heads: 0 B; 520-544 at 128). More must
     show: v15's first try, which scaled do by the gate as it loaded it, took the dq to 1016 B
-    and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15)."""
+    and 0.41 -> >= 0.51 ms (bench/NOTES.md, v15). The dq as the op launches it since the
+    fifty-fourth session: with the compressed and window branches' loops (BRANCHES), under
+    its 168-register cap (0 B; uncapped 185 registers, 0 B)."""
     rows, launch = launch_shape(f"masked_{kind}", G=6, head_dim=64)
     constants = dict(G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=rows,
                      TILE_G=tile_heads(6), BLOCK_N=64, SEL_BLOCK=64, IEEE=False, TMA=True,
                      FINITE=True, SMALL_SCALE=True)  # the default scale's launch
-    if kind == "dq":
-        constants.update(ACCUMULATE=True, WIDE_ROWS=False)  # int32 row offsets at this shape
-    else:
-        constants["GATED"] = True  # the op's launch: the forward also writes the gated sum
     desc = "tensordesc<bf16[1, 64, 1, 64]>"
     types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, BITS="*i64", KV_FINITE="*i8",
-                 O="*fp32", LSE="*fp32", DO="*bf16", GATE="*fp32", DELTA="*fp32", DQ_IN="*fp32",
+                 O="*fp32", LSE="*fp32", DO="*bf16", GATE="*fp32", DELTA="*fp32", DQ_IN="*bf16",
                  DQ_OUT="*bf16", O_CMP="*fp32", O_WIN="*fp32", GATES="*bf16", OUT="*bf16",
                  scale_log2="fp32", scale="fp32")
+    if kind == "dq":  # the op's: the three branches' dq, int32 row offsets at this shape
+        constants.update(ACCUMULATE=False, WIDE_ROWS=False, BRANCHES=True, CMP_KEYS=32,
+                         WIN_KEYS=64, WINDOW=512, CMP_BLOCK=32, CMP_STRIDE=16, CMP_TMA=True,
+                         WIN_TMA=True)
+        types.update(KC="*bf16", VC="*bf16", KW="*bf16", VW="*bf16", KWD=desc, VWD=desc,
+                     KCD="tensordesc<bf16[1, 32, 1, 64]>", VCD="tensordesc<bf16[1, 32, 1, 64]>",
+                     GATE_CMP="*fp32", GATE_WIN="*fp32", LSE_CMP="*fp32", LSE_WIN="*fp32",
+                     DELTA_CMP="*fp32", DELTA_WIN="*fp32", tok_pos="*i32", tok_cmp_start="*i32",
+                     CMP_FINITE="*i8", WIN_FINITE="*i8")
+    else:
+        constants["GATED"] = True  # the op's launch: the forward also writes the gated sum
     kernel = "_masked_fwd_kernel" if kind == "fwd" else "_masked_dq_kernel"
     assert sm90_stack(f"selected_masked.{kernel}", types, constants, launch["num_warps"],
-                      launch["num_stages"]) <= {"fwd": 640, "dq": 960}[kind]
+                      launch["num_stages"], maxnreg=launch.get("maxnreg")
+                      ) <= {"fwd": 640, "dq": 960}[kind]

@@ -345,6 +345,37 @@ def test_triton_matches_reference_with_the_other_selected_kernels(case, max_grou
     assert calls == expected
 
 
+@pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6]],
+                         ids=["masked-wide-float32", "masked-tma", "not-masked"])
+def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(case,
+                                                                             monkeypatch):
+    """Where the selected branch runs as masked causal attention (selected_masked.py), the
+    backward's one dq kernel is the masked dq with the compressed and window branches' loops
+    (BRANCHES), and the compressed+window dq kernel is not launched; elsewhere that kernel adds
+    the compressed and window branches to the selected branch's float32 dq. Either way the
+    gradients match the float64 reference (run_case)."""
+    from nsa.ops.triton import compressed_window, selected_masked
+    from nsa.ops.triton.selected_masked import masked_causal_selection
+
+    dq_launches = []
+    for module in (compressed_window, selected_masked):
+        launch = module.launch_per_flag
+
+        def recording(kernel, grid, *args, _launch=launch, **kwargs):
+            name = kernel.fn.__name__
+            if name in ("_masked_dq_kernel", "_branches_dq_kernel"):
+                dq_launches.append((name, kwargs.get("BRANCHES")))
+            return _launch(kernel, grid, *args, **kwargs)
+
+        monkeypatch.setattr(module, "launch_per_flag", recording)
+    run_case(case, torch.float32)
+    B, T, HQ, H, Dk, Dv, cu, p = case
+    if masked_causal_selection(T, NSAParams(**p), cu is not None):
+        assert dq_launches == [("_masked_dq_kernel", True)]
+    else:
+        assert dq_launches == [("_branches_dq_kernel", None)]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")
 @pytest.mark.parametrize("case", [GPU_CASES[4], GPU_CASES[2], GPU_CASES[0]],
                          ids=["per-block", "masked", "G2"])

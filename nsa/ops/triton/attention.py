@@ -5,12 +5,14 @@ autograd.Function that calls the backward op.
 Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -> window
 attention -> selected attention, whose kernel also writes the gated sum of the three. Each branch
 output is kept in float32 for the backward, which runs one dk/dv kernel per branch, the selected
-branch's dq, and one dq kernel for the compressed and window branches together (deterministic:
-no atomics). Keeping them in bf16/fp16 (half the bytes) was tried: the gate
-backward's delta = do · o then carries the output's rounding, and where dp - delta cancels the
-gradients miss the tolerances (bench/NOTES.md, v6). On a GPU the window forward, and the
-compressed and window dK/dV, run on a second stream (``launch.fork``/``join``) beside the
-branches they do not depend on, filling the SMs those leave idle (bench/NOTES.md, v41).
+branch's dq, and one dq kernel for the compressed and window branches together; at short T,
+where the selected branch runs as masked causal attention, one dq kernel for all three
+(selected_masked.py). Deterministic: no atomics. Keeping the branch outputs in bf16/fp16 (half
+the bytes) was tried: the gate backward's delta = do · o then carries the output's rounding,
+and where dp - delta cancels the gradients miss the tolerances (bench/NOTES.md, v6). On a GPU
+the window forward, and the compressed and window dK/dV, run on a second stream
+(``launch.fork``/``join``) beside the branches they do not depend on, filling the SMs those
+leave idle (bench/NOTES.md, v41).
 Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``
 (with ``selected_blocks`` and ``selected_masked``), ``gating`` (each: kernels, then launch
 wrappers), ``launch`` (launch shapes).
@@ -33,7 +35,12 @@ from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
 from nsa.ops.triton.launch import BranchGrad, call_op, fork, join, unit_stride
 from nsa.ops.triton.selected import selected_backward, selected_forward
-from nsa.ops.triton.selected_masked import masked_causal_selection
+from nsa.ops.triton.selected_masked import (
+    MaskedSelection,
+    masked_causal_selection,
+    masked_dkdv,
+    masked_dq,
+)
 from nsa.ops.triton.selection import select
 from nsa.ops.triton.tables import build_tables
 
@@ -84,16 +91,24 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o
                                      MODE_CMP, params, scale, query_finite)
         dk_win, dv_win = branch_dkdv(q, k_win, v_win, win_grad, lse_win, delta[2], tables,
                                      MODE_WIN, params, scale, query_finite)
-    # dq: the selected branch writes its float32 dq, and one kernel adds the compressed and
-    # window branches' and writes the total in q's dtype (no zero fill, no cast), into a dq
-    # allocated only then: not held through the selected branch's partials.
-    dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = selected_backward(q, k, v, selection, slc_grad, lse_slc, delta[1], dq_sum, tables,
-                               params, scale, kv_finite[1], accumulate=False)
-    dq = torch.empty_like(q)
-    branches_dq(q, grad_out, DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0]),
-                DqBranch(k_win, v_win, gate[2], lse_win, delta[2], kv_finite[2]), dq_sum, dq,
-                tables, params, scale)
+    cmp_dq = DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0])
+    win_dq = DqBranch(k_win, v_win, gate[2], lse_win, delta[2], kv_finite[2])
+    if masked_causal_selection(q.shape[1], params, tables.packed):
+        # One dq kernel for the three branches: q and do read once, no float32 sum.
+        masked = MaskedSelection(selection, kv_finite[1])
+        dq = torch.empty_like(q)
+        masked_dq(q, k, v, masked, slc_grad, lse_slc, delta[1], dq, params, scale,
+                  accumulate=False, branches=(cmp_dq, win_dq, tables))
+        dk, dv = masked_dkdv(q, k, v, masked, slc_grad, lse_slc, delta[1], params, scale)
+    else:
+        # dq: the selected branch writes its float32 dq, and one kernel adds the compressed
+        # and window branches' and writes the total in q's dtype (no zero fill, no cast),
+        # into a dq allocated only then: not held through the selected branch's partials.
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = selected_backward(q, k, v, selection, slc_grad, lse_slc, delta[1], dq_sum,
+                                   tables, params, scale, kv_finite[1], accumulate=False)
+        dq = torch.empty_like(q)
+        branches_dq(q, grad_out, cmp_dq, win_dq, dq_sum, dq, tables, params, scale)
     join(side, dk_cmp, dv_cmp, dk_win, dv_win)
     return dq, dk, dv, dk_cmp, dv_cmp, dgates, dk_win, dv_win
 

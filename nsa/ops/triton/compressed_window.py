@@ -13,7 +13,10 @@ variable-length batches. Forward writes the branch output (float32) and its log-
 (base 2); backward is deterministic, no atomics: one kernel for dK/dV per branch (per key tile,
 looping over the queries that can see it), and one dq kernel for both branches (per query
 tile: q and do read once, one accumulator, each branch's gate multiplying its dS; it adds the
-selected branch's float32 dq and writes dq in q's dtype, so the float32 sum is read once).
+selected branch's float32 dq and writes dq in q's dtype, so the float32 sum is read once). At
+short T, where the selected branch runs as masked causal attention, the masked dq kernel runs
+these two branches' key loops after its own (``branch_dq_rows``; selected_masked.py) and this
+one is not launched.
 
 Each kernel's loop runs in two parts: first the partial tiles, which hold a masked pair (the
 diagonal, the window's lower edge, sequence boundaries, the ends) and multiply finite parts
@@ -74,6 +77,7 @@ from nsa.ops.triton.launch import (
     strides,
     sum_segments,
 )
+from nsa.ops.triton.tables import KernelTables
 
 CMP_SEGMENT = 4096  # most query positions one compressed-branch dK/dV program handles
 MODE_CMP = 0
@@ -101,15 +105,15 @@ def _row_key_range(t, row_ok, tok_pos, tok_cmp_start,
 
 
 @triton.jit
-def _query_rows(T, H, tok_pos, tok_cmp_start, G: tl.constexpr, BLOCK_R: tl.constexpr,
-                TILE_G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
-    """This program's query rows (P positions x TILE_G heads of KV head h, as in
-    ``common.query_tile_rows``), their key ranges, and the key tiles lo, lo + BLOCK_N, ...
-    (< hi) their ranges cover, split (``split_tiles``) into full ones (inside every valid
-    row's range) and partial ones."""
-    b, h, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
-                                                  G, BLOCK_R, TILE_G)
+def _query_rows(tile, pid, T, H, tok_pos, tok_cmp_start, G: tl.constexpr,
+                BLOCK_R: tl.constexpr, TILE_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                MODE: tl.constexpr, WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                CMP_STRIDE: tl.constexpr):
+    """The rows of query tile ``tile`` of program ``pid`` (P positions x TILE_G heads of KV
+    head h, as in ``common.query_tile_rows``), their key ranges, and the key tiles lo,
+    lo + BLOCK_N, ... (< hi) their ranges cover, split (``split_tiles``) into full ones
+    (inside every valid row's range) and partial ones."""
+    b, h, hq, row_ok, t64, _, _ = query_tile_rows(tile, pid, T, H, G, BLOCK_R, TILE_G)
     t = t64.to(tl.int32)
     lo_r, hi_r = _row_key_range(t, row_ok, tok_pos, tok_cmp_start, MODE, WINDOW, CMP_BLOCK,
                                 CMP_STRIDE)
@@ -171,19 +175,19 @@ def _partial_dq(q, do, lse, delta, acc, K, V, b, h, hi, lo, full_lo, full_hi, nu
 
 
 @triton.jit
-def _branch_dq(q, do, acc, K, V, KD, VD, GATE, LSE, DELTA, T, H, tok_pos, tok_cmp_start, b,
-               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_lb,
-               stride_lt, scale_log2, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
-               TILE_G: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-               WINDOW: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
-               IEEE: tl.constexpr, TMA: tl.constexpr, PARTIAL: tl.constexpr,
-               SMALL_SCALE: tl.constexpr):
-    """acc [rows, DK] += one branch's gated Σ_s dS k_s for this program's query rows (its
-    partial key tiles, then its full ones)."""
+def branch_dq_rows(tile, pid, q, do, acc, K, V, KD, VD, GATE, LSE, DELTA, T, H, tok_pos,
+                   tok_cmp_start, b, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                   stride_vh, stride_lb, stride_lt, scale_log2, G: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, MODE: tl.constexpr, WINDOW: tl.constexpr,
+                   CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, IEEE: tl.constexpr,
+                   TMA: tl.constexpr, PARTIAL: tl.constexpr, SMALL_SCALE: tl.constexpr):
+    """acc [rows, DK] += one branch's gated Σ_s dS k_s for the rows of query tile ``tile`` of
+    program ``pid`` (``_query_rows``; its partial key tiles, then its full ones)."""
     _, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-        T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
-        CMP_STRIDE)
+        tile, pid, T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G, BLOCK_N, MODE, WINDOW,
+        CMP_BLOCK, CMP_STRIDE)
     rows = b * stride_lb + t64 * stride_lt + hq
     gate = tl.load(GATE + rows, mask=row_ok, other=0.0)
     lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
@@ -219,8 +223,8 @@ def _branch_fwd_kernel(
     plain masks, with no bookkeeping of non-finite values."""
     if (tl.load(KV_FINITE + group_program(tl.program_id(1), G, TILE_G)) != 0) == FINITE:
         b, h, hq, row_ok, lo_r, hi_r, t64, hi, lo, full_lo, full_hi, num_partial = _query_rows(
-            T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G, BLOCK_N, MODE, WINDOW, CMP_BLOCK,
-            CMP_STRIDE)
+            tl.program_id(0), tl.program_id(1), T, H, tok_pos, tok_cmp_start, G, BLOCK_R, TILE_G,
+            BLOCK_N, MODE, WINDOW, CMP_BLOCK, CMP_STRIDE)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -243,11 +247,12 @@ def _branch_fwd_kernel(
 
 @kernel
 def _branches_dq_kernel(
-    Q, KC, VC, KCD, VCD, KW, VW, KWD, VWD, DO, GATE_CMP, GATE_WIN, LSE_CMP, LSE_WIN,
-    DELTA_CMP, DELTA_WIN, DQ_IN, DQ_OUT, tok_pos, tok_cmp_start, CMP_FINITE, WIN_FINITE,
-    stride_qb, stride_qt, stride_qh, stride_kcb, stride_kct, stride_kch,
-    stride_vcb, stride_vct, stride_vch, stride_kwb, stride_kwt, stride_kwh,
-    stride_vwb, stride_vwt, stride_vwh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    Q, DO, DQ_IN, DQ_OUT,
+    KC, VC, KCD, VCD, KW, VW, KWD, VWD, GATE_CMP, GATE_WIN, LSE_CMP, LSE_WIN, DELTA_CMP,
+    DELTA_WIN, tok_pos, tok_cmp_start, CMP_FINITE, WIN_FINITE,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh,
+    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     T, H, scale_log2, scale,
     G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
@@ -261,26 +266,28 @@ def _branches_dq_kernel(
     programs where both branches' keys and values are finite (CMP_FINITE and WIN_FINITE, [B,
     H] int8) if FINITE, the others if not (module docstring): then both branches' partial
     tiles keep the bookkeeping of non-finite values."""
-    pid_bh = group_program(tl.program_id(1), G, TILE_G)
+    tile, pid = tl.program_id(0), tl.program_id(1)
+    pid_bh = group_program(pid, G, TILE_G)
     finite = (tl.load(CMP_FINITE + pid_bh) != 0) & (tl.load(WIN_FINITE + pid_bh) != 0)
     if finite == FINITE:
-        b, _, hq, row_ok, t64, _, _ = query_tile_rows(tl.program_id(0), tl.program_id(1), T, H,
-                                                      G, BLOCK_R, TILE_G)
+        b, _, hq, row_ok, t64, _, _ = query_tile_rows(tile, pid, T, H, G, BLOCK_R, TILE_G)
         q = load_tile(Q + b * stride_qb + t64 * stride_qt + hq * stride_qh, row_ok, DK,
                       BLOCK_DK)
         do = load_tile(DO + b * stride_ob + t64 * stride_ot + hq * stride_oh, row_ok, DV,
                        BLOCK_DV)
         acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
-        acc = _branch_dq(q, do, acc, KC, VC, KCD, VCD, GATE_CMP, LSE_CMP, DELTA_CMP, T, H,
-                         tok_pos, tok_cmp_start, b, stride_kcb, stride_kct, stride_kch,
-                         stride_vcb, stride_vct, stride_vch, stride_lb, stride_lt, scale_log2,
-                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, TILE_G, CMP_KEYS, 0, WINDOW,
-                         CMP_BLOCK, CMP_STRIDE, IEEE, CMP_TMA, not FINITE, SMALL_SCALE)
-        acc = _branch_dq(q, do, acc, KW, VW, KWD, VWD, GATE_WIN, LSE_WIN, DELTA_WIN, T, H,
-                         tok_pos, tok_cmp_start, b, stride_kwb, stride_kwt, stride_kwh,
-                         stride_vwb, stride_vwt, stride_vwh, stride_lb, stride_lt, scale_log2,
-                         G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R, TILE_G, WIN_KEYS, 1, WINDOW,
-                         CMP_BLOCK, CMP_STRIDE, IEEE, WIN_TMA, not FINITE, SMALL_SCALE)
+        acc = branch_dq_rows(tile, pid, q, do, acc, KC, VC, KCD, VCD, GATE_CMP, LSE_CMP,
+                             DELTA_CMP, T, H, tok_pos, tok_cmp_start, b, stride_kcb, stride_kct,
+                             stride_kch, stride_vcb, stride_vct, stride_vch, stride_lb,
+                             stride_lt, scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R,
+                             TILE_G, CMP_KEYS, 0, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, CMP_TMA,
+                             not FINITE, SMALL_SCALE)
+        acc = branch_dq_rows(tile, pid, q, do, acc, KW, VW, KWD, VWD, GATE_WIN, LSE_WIN,
+                             DELTA_WIN, T, H, tok_pos, tok_cmp_start, b, stride_kwb, stride_kwt,
+                             stride_kwh, stride_vwb, stride_vwt, stride_vwh, stride_lb,
+                             stride_lt, scale_log2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_R,
+                             TILE_G, WIN_KEYS, 1, WINDOW, CMP_BLOCK, CMP_STRIDE, IEEE, WIN_TMA,
+                             not FINITE, SMALL_SCALE)
         rows = b * stride_qb + t64 * stride_qt + hq * stride_qh
         accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK, True)
 
@@ -468,30 +475,41 @@ class DqBranch(NamedTuple):
     kv_finite: torch.Tensor
 
 
-def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params, scale):
-    """dq (q's layout and dtype) = dq_sum (float32: the selected branch's dq) + the
-    compressed and the window branch's dq for output gradient do [B, T, HQ, Dv] (each times
-    its gate), in one kernel (launched per finiteness flag)."""
-    B, T, HQ, H, G, Dk, Dv = shapes(q, cmp.k, cmp.v)
+def branch_dq_args(q, cmp: DqBranch, win: DqBranch, tables: KernelTables,
+                   params) -> tuple[list, dict]:
+    """(runtime arguments, constexprs) of the compressed and window branches in the kernels
+    that compute their dq (``_branches_dq_kernel``, and selected_masked's masked dq at short
+    T), in those kernels' order: keys, values and their descriptors, gates, log-sum-exps,
+    deltas, the tables, the flags, then the keys' and values' strides."""
+    Dk, Dv = cmp.k.shape[-1], cmp.v.shape[-1]
     width = max(Dk, Dv)
-    R, launch = launch_shape("cw_dq", G, width, q.element_size())
     cmp_keys = launch_keys("cw_dq", width, q.element_size())
     win_keys = launch_keys("cw_dq", width, q.element_size(), field="win_keys")
     # [B, NK, H, D] descriptors of a tile of keys: the full key tiles load through TMA.
     kcd, vcd, cmp_tma = descriptor_pair(cmp.k, cmp.v, [1, cmp_keys, 1])
     kwd, vwd, win_tma = descriptor_pair(win.k, win.v, [1, win_keys, 1])
+    args = [cmp.k, cmp.v, kcd, vcd, win.k, win.v, kwd, vwd, cmp.gate, win.gate, cmp.lse,
+            win.lse, cmp.delta, win.delta, tables.tok_pos, tables.tok_cmp_start, cmp.kv_finite,
+            win.kv_finite, *strides(cmp.k), *strides(cmp.v), *strides(win.k), *strides(win.v)]
+    return args, dict(CMP_KEYS=cmp_keys, WIN_KEYS=win_keys, WINDOW=params.window,
+                      CMP_BLOCK=params.cmp_block, CMP_STRIDE=params.cmp_stride,
+                      CMP_TMA=cmp_tma, WIN_TMA=win_tma)
+
+
+def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params, scale):
+    """dq (q's layout and dtype) = dq_sum (float32: the selected branch's dq) + the
+    compressed and the window branch's dq for output gradient do [B, T, HQ, Dv] (each times
+    its gate), in one kernel (launched per finiteness flag)."""
+    B, T, HQ, H, G, Dk, Dv = shapes(q, cmp.k, cmp.v)
+    R, launch = launch_shape("cw_dq", G, max(Dk, Dv), q.element_size())
     grid, heads = query_tile_grid(B, T, H, G, R)
+    args, meta = branch_dq_args(q, cmp, win, tables, params)
     launch_per_flag(
         _branches_dq_kernel, grid,
-        q, cmp.k, cmp.v, kcd, vcd, win.k, win.v, kwd, vwd, do, cmp.gate, win.gate, cmp.lse,
-        win.lse, cmp.delta, win.delta, dq_sum, dq, tables.tok_pos, tables.tok_cmp_start,
-        cmp.kv_finite, win.kv_finite, *strides(q), *strides(cmp.k), *strides(cmp.v),
-        *strides(win.k), *strides(win.v), *strides(do), *cmp.lse.stride()[:2], T, H,
+        q, do, dq_sum, dq, *args, *strides(q), *strides(do), *cmp.lse.stride()[:2], T, H,
         scale * LOG2E, scale,
         G=G, DK=Dk, DV=Dv, BLOCK_DK=pow2(Dk), BLOCK_DV=pow2(Dv), BLOCK_R=R, TILE_G=heads,
-        CMP_KEYS=cmp_keys, WIN_KEYS=win_keys, WINDOW=params.window, CMP_BLOCK=params.cmp_block,
-        CMP_STRIDE=params.cmp_stride, IEEE=q.dtype == torch.float32, CMP_TMA=cmp_tma,
-        WIN_TMA=win_tma, SMALL_SCALE=small_scale(scale), **launch,
+        IEEE=q.dtype == torch.float32, SMALL_SCALE=small_scale(scale), **meta, **launch,
     )
 
 

@@ -68,18 +68,18 @@ TUNING = {
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
-# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq at 64 rows and 2 stages since its
-# tiles hold launch.tile_heads' heads: 0.170 ms against 0.186 at 3 stages and 0.199 at 128
-# rows, no stack offline where 128 rows had 520 B; the graphed m7c step did not resolve it
-# (fifty-second session; at v34's tiles of G = 6 heads 128 rows had been faster, 0.228
-# against 0.247). cw_dq's 32 compressed keys keep its m7c launch at 168 registers (offline
-# sm_90; 64 keys: 204, two programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth
-# session). The masked dK/dV over each block's positions, both loops pipelined: 128 / 4 / 2
-# (0.312 ms; 64 / 4 / 2 0.331, 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth
-# session). The compressed and window forwards at 64 rows since their tiles hold
-# launch.tile_heads' heads (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms,
-# compressed 0.050 -> 0.046 (at 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058;
-# fifty-first session).
+# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq is the op's one dq kernel for the
+# three branches at short T (selected_masked.py): at 64 rows, 4 warps, 3 stages and at most
+# 168 registers (maxnreg: three programs an SM; 185 without the cap, two programs, no stack
+# either way offline) 0.273 ms where the selected dq alone (0.173) and the compressed+window
+# dq (0.138) took 0.311; uncapped 0.360 (fifty-fourth session). cw_dq's 32 compressed keys
+# keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two programs an SM where
+# 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV over each block's
+# positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331, 128 / 4 / 3 0.47,
+# its wgmma serialized by ptxas; forty-fourth session). The compressed and window forwards at
+# 64 rows since their tiles hold launch.tile_heads' heads (32 positions x 2 heads at G = 6):
+# window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at 64 rows of 10 x 6 they were
+# 0.110-0.116 and 0.055-0.058; fifty-first session).
 NARROW_TUNING = {
     "cmp_fwd": dict(rows=64),
     "win_fwd": dict(rows=64),
@@ -88,7 +88,7 @@ NARROW_TUNING = {
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=2),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
-    "masked_dq": dict(rows=64, num_warps=4, num_stages=2),
+    "masked_dq": dict(rows=64, num_warps=4, num_stages=3, maxnreg=168),
 }
 
 
@@ -183,7 +183,8 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     dims <= 64 where it has the family. Wider tiles (a larger head dim,
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory; wide float32 tiles halve them
-    once more (FLOAT32_SHRINK)."""
+    once more (FLOAT32_SHRINK). The options hold a family's register cap (``maxnreg``) where
+    its tuning has one."""
     width = tile_width(head_dim, element_size)
     tuning = _tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
@@ -191,7 +192,10 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
         rows, stages = max(16, rows * 128 // width), 1
         if element_size == 4:
             rows = max(16, rows // FLOAT32_SHRINK)
-    return max(rows, pow2(G, 16)), dict(num_warps=tuning["num_warps"], num_stages=stages)
+    options = dict(num_warps=tuning["num_warps"], num_stages=stages)
+    if "maxnreg" in tuning:
+        options["maxnreg"] = tuning["maxnreg"]
+    return max(rows, pow2(G, 16)), options
 
 
 KEYS_WIDE = 64  # keys of a tile of the compressed and window kernels for wide tiles

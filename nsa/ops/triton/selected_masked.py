@@ -30,6 +30,13 @@ returning at once elsewhere: with FINITE, every tile takes its row mask alone, i
 pipelined loop that also computes the tiles no row selected; without, tiles are skipped, plain
 or masked as above (loaded either way: loads outside the branches are pipelined).
 
+In the op the dq kernel is the backward's one dq kernel (``masked_dq`` with ``branches``):
+after its own keys it runs the compressed and window branches' (compressed_window.py's
+``branch_dq_rows``) into the same accumulator and writes dq in q's dtype, so q and do are read
+once and no float32 dq passes between kernels; its flag is then that all three branches' keys
+and values are finite. At m7c-125m's 8 x 2k this one kernel took 0.273 ms where the two took
+0.311 (bench/NOTES.md, fifty-fourth session).
+
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``) over the positions that selected the tile's block, listed in
 ascending order by one kernel from the row masks (``block_positions``: a cumulative sum per
@@ -68,6 +75,7 @@ from nsa.ops.triton.common import (
     query_tile_rows,
     store_tile,
 )
+from nsa.ops.triton.compressed_window import DqBranch, branch_dq_args, branch_dq_rows
 from nsa.ops.triton.finite import launch_per_flag
 from nsa.ops.triton.gating import (
     GatedSum,
@@ -92,6 +100,7 @@ from nsa.ops.triton.launch import (
     wide_keys,
     wide_rows,
 )
+from nsa.ops.triton.tables import KernelTables
 
 MAX_BLOCKS = 64  # blocks of a row mask (int64 bits)
 MAX_TILE = 64  # most keys per step
@@ -223,6 +232,10 @@ def _masked_fwd_kernel(
 @kernel
 def _masked_dq_kernel(
     Q, K, V, KD, VD, BITS, KV_FINITE, DO, GATE, LSE, DELTA, DQ_IN, DQ_OUT,
+    KC, VC, KCD, VCD, KW, VW, KWD, VWD, GATE_CMP, GATE_WIN, LSE_CMP, LSE_WIN, DELTA_CMP,
+    DELTA_WIN, tok_pos, tok_cmp_start, CMP_FINITE, WIN_FINITE,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, stride_bb, stride_bt,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -231,14 +244,24 @@ def _masked_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr, TILE_G: tl.constexpr,
     BLOCK_N: tl.constexpr, SEL_BLOCK: tl.constexpr,
     IEEE: tl.constexpr, TMA: tl.constexpr, ACCUMULATE: tl.constexpr, FINITE: tl.constexpr,
-    SMALL_SCALE: tl.constexpr, WIDE_ROWS: tl.constexpr,
+    SMALL_SCALE: tl.constexpr, WIDE_ROWS: tl.constexpr, BRANCHES: tl.constexpr,
+    CMP_KEYS: tl.constexpr = 0, WIN_KEYS: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
+    CMP_BLOCK: tl.constexpr = 0, CMP_STRIDE: tl.constexpr = 0, CMP_TMA: tl.constexpr = False,
+    WIN_TMA: tl.constexpr = False,
 ):
-    """DQ_OUT = scale · Σ_s dS k_s over the selected keys, plus DQ_IN when ACCUMULATE; for
-    the programs whose KV_FINITE flag equals FINITE (module docstring). DQ_IN and DQ_OUT have
-    Q's layout; past the rows' first loads their positions are int32 unless WIDE_ROWS
-    (``launch.wide_rows``), as in the dK/dV."""
+    """DQ_OUT = scale · Σ_s gate · dS k_s over the selected keys, plus DQ_IN when ACCUMULATE;
+    with BRANCHES, plus the compressed and the window branch's (KC ... WIN_FINITE, as
+    compressed_window's ``_branches_dq_kernel`` reads them): q and do read once, one
+    accumulator. For the programs whose flags (KV_FINITE, and with BRANCHES CMP_FINITE and
+    WIN_FINITE, all [B, H] int8) say all finite if FINITE, the others if not (module
+    docstring). DQ_IN and DQ_OUT have Q's layout; past the rows' first loads their positions
+    are int32 unless WIDE_ROWS (``launch.wide_rows``), as in the dK/dV."""
     tile, pid = longest_first()
-    if (tl.load(KV_FINITE + group_program(pid, G, TILE_G)) != 0) == FINITE:
+    pid_bh = group_program(pid, G, TILE_G)
+    finite = tl.load(KV_FINITE + pid_bh) != 0
+    if BRANCHES:
+        finite = finite & (tl.load(CMP_FINITE + pid_bh) != 0) & (tl.load(WIN_FINITE + pid_bh) != 0)
+    if finite == FINITE:
         b, h, hq, row_ok, t64, t_first, t_last = query_tile_rows(tile, pid, T, H, G, BLOCK_R,
                                                                  TILE_G)
         q, do, gate, lse, delta = query_rows_tile(
@@ -275,9 +298,23 @@ def _masked_dq_kernel(
                 valid = chosen[:, None] & (s[None, :] <= t[:, None])
                 acc = dq_tile(q, k, v, do, lse, delta, valid, acc, scale_log2, IEEE,
                               not FINITE, SMALL_SCALE=SMALL_SCALE)
+        acc *= gate[:, None]
+        if BRANCHES:  # modes 0 and 1: compressed_window's MODE_CMP and MODE_WIN
+            acc = branch_dq_rows(tile, pid, q, do, acc, KC, VC, KCD, VCD, GATE_CMP, LSE_CMP,
+                                 DELTA_CMP, T, H, tok_pos, tok_cmp_start, b, stride_kcb,
+                                 stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                                 stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
+                                 BLOCK_DV, BLOCK_R, TILE_G, CMP_KEYS, 0, WINDOW,
+                                 CMP_BLOCK, CMP_STRIDE, IEEE, CMP_TMA, not FINITE, SMALL_SCALE)
+            acc = branch_dq_rows(tile, pid, q, do, acc, KW, VW, KWD, VWD, GATE_WIN, LSE_WIN,
+                                 DELTA_WIN, T, H, tok_pos, tok_cmp_start, b, stride_kwb,
+                                 stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh,
+                                 stride_lb, stride_lt, scale_log2, G, DK, DV, BLOCK_DK,
+                                 BLOCK_DV, BLOCK_R, TILE_G, WIN_KEYS, 1, WINDOW,
+                                 CMP_BLOCK, CMP_STRIDE, IEEE, WIN_TMA, not FINITE, SMALL_SCALE)
         rows = b * stride_qb + t * stride_qt + hq * stride_qh
-        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * (scale * gate[:, None]), row_ok, DK,
-                        BLOCK_DK, ACCUMULATE)
+        accumulate_tile(DQ_IN + rows, DQ_OUT + rows, acc * scale, row_ok, DK, BLOCK_DK,
+                        ACCUMULATE)
 
 
 @kernel
@@ -454,18 +491,25 @@ def masked_forward(q, k, v, selection: MaskedSelection, params: NSAParams, scale
 
 
 def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta, dq,
-              params: NSAParams, scale: float, *, accumulate=True, dq_out=None):
+              params: NSAParams, scale: float, *, accumulate=True, dq_out=None,
+              branches: tuple[DqBranch, DqBranch, KernelTables] | None = None):
     """The selected branch's dq into ``dq_out`` (default ``dq``), added to ``dq`` when
-    ``accumulate``."""
+    ``accumulate``. With ``branches`` = (compressed, window, the op's tables), plus the
+    compressed and window branches' dq for the same output gradient grad.do (each times its
+    own gate), in the same kernel: the op's backward at short T (its one dq kernel)."""
     grid, meta, kd, vd = _launch("masked_dq", q, k, v, params)
     bits, finite = selection
+    if branches is None:  # placeholders of the 18 tensors and 12 strides the kernel ignores
+        extra, extra_meta = [q] * 18 + [0] * 12, {}
+    else:
+        extra, extra_meta = branch_dq_args(q, *branches, params)
     launch_per_flag(
         _masked_dq_kernel, grid,
         q, k, v, kd, vd, bits, finite, grad.do, grad.gate, lse, delta, dq,
-        dq if dq_out is None else dq_out, *strides(q), *strides(k), *strides(v),
+        dq if dq_out is None else dq_out, *extra, *strides(q), *strides(k), *strides(v),
         *strides(bits, 2), *strides(grad.do), *lse.stride()[:2], q.shape[1], k.shape[2],
         scale * LOG2E, scale, ACCUMULATE=accumulate, SMALL_SCALE=small_scale(scale),
-        WIDE_ROWS=wide_rows(q), **meta,
+        WIDE_ROWS=wide_rows(q), BRANCHES=branches is not None, **extra_meta, **meta,
     )
 
 
