@@ -40,6 +40,7 @@ from nsa.ops.triton.launch import (
     TRANSPOSABLE,
     TUNING,
     BranchGrad,
+    launch_choice,
     launch_keys,
     launch_shape,
     launch_transposed,
@@ -104,6 +105,10 @@ def stages(B, T, HQ, H, D):
 
     masked = masked_causal_selection(T, PAPER, packed=False)
     selection = masked_selection(idx, slc_finite) if masked else None
+    # The masked dq as the op launches it (decided before the sweep changes the tunings): with
+    # the compressed and window branches where its tuning says so, else the selected alone.
+    dq_branches = ((cmp_dq, win_dq, layout) if launch_choice("masked_dq", "branches", D)
+                   else None)
     return {
         "cmp_fwd": [("cmp", lambda: branch_forward(q, kc, vc, layout, MODE_CMP, PAPER, scale,
                                                    cmp_finite))],
@@ -128,10 +133,9 @@ def stages(B, T, HQ, H, D):
                 q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale)),
             ("slc dkdv+dq", lambda: block_backward(
                 q, k, v, idx, g_slc, lse_slc, d_slc, layout, PAPER, scale, dq=dq))],
-        # As the op launches it at short T: the three branches' dq in one kernel.
-        "masked_dq": [("all dq", lambda: masked_dq(
+        "masked_dq": [("slc dq" if dq_branches is None else "all dq", lambda: masked_dq(
             q, k, v, selection, g_slc, lse_slc, d_slc, dq, PAPER, scale, accumulate=False,
-            dq_out=dq_out, branches=(cmp_dq, win_dq, layout)))] if masked else [],
+            dq_out=dq_out, branches=dq_branches))] if masked else [],
         "masked_dkdv": [("slc dkdv", lambda: masked_dkdv(
             q, k, v, selection, g_slc, lse_slc, d_slc, PAPER, scale))] if masked else [],
     }

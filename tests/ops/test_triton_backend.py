@@ -345,17 +345,20 @@ def test_triton_matches_reference_with_the_other_selected_kernels(case, max_grou
     assert calls == expected
 
 
-@pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6]],
-                         ids=["masked-wide-float32", "masked-tma", "not-masked"])
-def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(case,
+@pytest.mark.parametrize("case,launches", [
+    (CASES[5], [("_masked_dq_kernel", True)]),  # Dk 16, Dv 32: narrow even in float32
+    (CASES[4], [("_masked_dq_kernel", False), ("_branches_dq_kernel", None)]),  # Dk 128
+    (CASES[6], [("_branches_dq_kernel", None)]),  # 19 selection blocks, n = 3
+], ids=["masked-narrow", "masked-wide-float32", "not-masked"])
+def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(case, launches,
                                                                              monkeypatch):
-    """Where the selected branch runs as masked causal attention (selected_masked.py), the
-    backward's one dq kernel is the masked dq with the compressed and window branches' loops
-    (BRANCHES), and the compressed+window dq kernel is not launched; elsewhere that kernel adds
-    the compressed and window branches to the selected branch's float32 dq. Either way the
-    gradients match the float64 reference (run_case)."""
+    """Where the selected branch runs as masked causal attention (selected_masked.py) in tiles
+    of head dims <= 64 in 16 bits (launch.NARROW_TUNING's ``branches``), the backward's one dq
+    kernel is the masked dq with the compressed and window branches' loops (BRANCHES), and the
+    compressed+window dq kernel is not launched; elsewhere (wide float32 tiles, or no masked
+    selection) that kernel adds the compressed and window branches to the selected branch's
+    float32 dq. Either way the gradients match the float64 reference (run_case)."""
     from nsa.ops.triton import compressed_window, selected_masked
-    from nsa.ops.triton.selected_masked import masked_causal_selection
 
     dq_launches = []
     for module in (compressed_window, selected_masked):
@@ -369,11 +372,7 @@ def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(ca
 
         monkeypatch.setattr(module, "launch_per_flag", recording)
     run_case(case, torch.float32)
-    B, T, HQ, H, Dk, Dv, cu, p = case
-    if masked_causal_selection(T, NSAParams(**p), cu is not None):
-        assert dq_launches == [("_masked_dq_kernel", True)]
-    else:
-        assert dq_launches == [("_branches_dq_kernel", None)]
+    assert dq_launches == launches
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")

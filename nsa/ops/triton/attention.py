@@ -6,13 +6,13 @@ Forward: compressed attention (keeps its log-sum-exp) -> selection (reuses it) -
 attention -> selected attention, whose kernel also writes the gated sum of the three. Each branch
 output is kept in float32 for the backward, which runs one dk/dv kernel per branch, the selected
 branch's dq, and one dq kernel for the compressed and window branches together; at short T,
-where the selected branch runs as masked causal attention, one dq kernel for all three
-(selected_masked.py). Deterministic: no atomics. Keeping the branch outputs in bf16/fp16 (half
-the bytes) was tried: the gate backward's delta = do · o then carries the output's rounding,
-and where dp - delta cancels the gradients miss the tolerances (bench/NOTES.md, v6). On a GPU
-the window forward, and the compressed and window dK/dV, run on a second stream
-(``launch.fork``/``join``) beside the branches they do not depend on, filling the SMs those
-leave idle (bench/NOTES.md, v41).
+where the selected branch runs as masked causal attention, one dq kernel for all three where
+its tuning says so (head dims <= 64 in 16 bits: selected_masked.py, launch.NARROW_TUNING).
+Deterministic: no atomics. Keeping the branch outputs in bf16/fp16 (half the bytes) was tried:
+the gate backward's delta = do · o then carries the output's rounding, and where dp - delta
+cancels the gradients miss the tolerances (bench/NOTES.md, v6). On a GPU the window forward,
+and the compressed and window dK/dV, run on a second stream (``launch.fork``/``join``) beside
+the branches they do not depend on, filling the SMs those leave idle (bench/NOTES.md, v41).
 Modules: ``tables`` (what the kernels read), ``compressed_window``, ``selection``, ``selected``
 (with ``selected_blocks`` and ``selected_masked``), ``gating`` (each: kernels, then launch
 wrappers), ``launch`` (launch shapes).
@@ -33,7 +33,14 @@ from nsa.ops.triton.compressed_window import (
 )
 from nsa.ops.triton.finite import kv_finite_flags
 from nsa.ops.triton.gating import GatedSum, gate_backward
-from nsa.ops.triton.launch import BranchGrad, call_op, fork, join, unit_stride
+from nsa.ops.triton.launch import (
+    BranchGrad,
+    call_op,
+    fork,
+    join,
+    launch_choice,
+    unit_stride,
+)
 from nsa.ops.triton.selected import selected_backward, selected_forward
 from nsa.ops.triton.selected_masked import (
     MaskedSelection,
@@ -93,7 +100,9 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o
                                      MODE_WIN, params, scale, query_finite)
     cmp_dq = DqBranch(k_cmp, v_cmp, gate[0], lse_cmp, delta[0], kv_finite[0])
     win_dq = DqBranch(k_win, v_win, gate[2], lse_win, delta[2], kv_finite[2])
-    if masked_causal_selection(q.shape[1], params, tables.packed):
+    if (masked_causal_selection(q.shape[1], params, tables.packed)
+            and launch_choice("masked_dq", "branches", max(q.shape[-1], v.shape[-1]),
+                              q.element_size())):
         # One dq kernel for the three branches: q and do read once, no float32 sum.
         masked = MaskedSelection(selection, kv_finite[1])
         dq = torch.empty_like(q)

@@ -68,18 +68,20 @@ TUNING = {
 }
 # Head dims <= 64 (16-bit; m7c-125m's 64): the families whose best launch differs there,
 # measured at 8 x 2k (bench/NOTES.md, v18; masked_dkdv v19; masked_fwd v20; cmp_dkdv v23;
-# the dq's 64 rows, 4 warps, 3 stages v18). The masked dq is the op's one dq kernel for the
-# three branches at short T (selected_masked.py): at 64 rows, 4 warps, 3 stages and at most
-# 168 registers (maxnreg: three programs an SM; 185 without the cap, two programs, no stack
-# either way offline) 0.273 ms where the selected dq alone (0.173) and the compressed+window
-# dq (0.138) took 0.311; uncapped 0.360 (fifty-fourth session). cw_dq's 32 compressed keys
-# keep its m7c launch at 168 registers (offline sm_90; 64 keys: 204, two programs an SM where
-# 168 fit three; bench/NOTES.md, thirty-eighth session). The masked dK/dV over each block's
-# positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 / 4 / 2 0.331, 128 / 4 / 3 0.47,
-# its wgmma serialized by ptxas; forty-fourth session). The compressed and window forwards at
-# 64 rows since their tiles hold launch.tile_heads' heads (32 positions x 2 heads at G = 6):
-# window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at 64 rows of 10 x 6 they were
-# 0.110-0.116 and 0.055-0.058; fifty-first session).
+# the dq's 64 rows, 4 warps, 3 stages v18). branches: the masked dq also computes the
+# compressed and window branches' dq, the op's one dq kernel at short T (selected_masked.py):
+# at 64 rows, 4 warps, 3 stages and at most 168 registers (maxnreg: three programs an SM; 185
+# without the cap, two programs, no stack either way offline) 0.273 ms where the selected dq
+# alone (0.173) and the compressed+window dq (0.138) took 0.311; uncapped 0.360 (fifty-fourth
+# session). Not for wider tiles: at 2k, 64/4/128 an uncapped one-kernel dq made the op's
+# forward+backward 2.47 ms against 2.35 (forty-fifth session), and none was measured since.
+# cw_dq's 32 compressed keys keep its m7c launch at 168 registers (offline sm_90; 64 keys:
+# 204, two programs an SM where 168 fit three; bench/NOTES.md, thirty-eighth session). The
+# masked dK/dV over each block's positions, both loops pipelined: 128 / 4 / 2 (0.312 ms; 64 /
+# 4 / 2 0.331, 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session). The
+# compressed and window forwards at 64 rows since their tiles hold launch.tile_heads' heads
+# (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at
+# 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058; fifty-first session).
 NARROW_TUNING = {
     "cmp_fwd": dict(rows=64),
     "win_fwd": dict(rows=64),
@@ -88,7 +90,7 @@ NARROW_TUNING = {
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "masked_dkdv": dict(rows=128, num_warps=4, num_stages=2),
     "masked_fwd": dict(rows=64, num_warps=4, num_stages=3),
-    "masked_dq": dict(rows=64, num_warps=4, num_stages=3, maxnreg=168),
+    "masked_dq": dict(rows=64, num_warps=4, num_stages=3, maxnreg=168, branches=True),
 }
 
 
@@ -213,6 +215,12 @@ def wide_keys(head_dim: int, element_size: int = 2) -> int | None:
     if tile_width(head_dim, element_size) <= 128:
         return None
     return KEYS_WIDE // (FLOAT32_SHRINK if element_size == 4 else 1)
+
+
+def launch_choice(kind: str, field: str, head_dim: int, element_size: int = 2) -> bool:
+    """A family's tuned yes-or-no choice ``field`` for tiles of this head dim and element size
+    (masked_dq's ``branches``); False where its tuning has none."""
+    return bool(_tuning(kind, tile_width(head_dim, element_size)).get(field, False))
 
 
 def launch_keys(kind: str, head_dim: int, element_size: int = 2, field: str = "keys") -> int:

@@ -30,12 +30,13 @@ returning at once elsewhere: with FINITE, every tile takes its row mask alone, i
 pipelined loop that also computes the tiles no row selected; without, tiles are skipped, plain
 or masked as above (loaded either way: loads outside the branches are pipelined).
 
-In the op the dq kernel is the backward's one dq kernel (``masked_dq`` with ``branches``):
-after its own keys it runs the compressed and window branches' (compressed_window.py's
-``branch_dq_rows``) into the same accumulator and writes dq in q's dtype, so q and do are read
-once and no float32 dq passes between kernels; its flag is then that all three branches' keys
-and values are finite. At m7c-125m's 8 x 2k this one kernel took 0.273 ms where the two took
-0.311 (bench/NOTES.md, fifty-fourth session).
+For head dims <= 64 in 16 bits (launch.NARROW_TUNING's ``branches``) the op's dq kernel is
+the backward's one dq kernel (``masked_dq`` with ``branches``): after its own keys it runs the
+compressed and window branches' (compressed_window.py's ``branch_dq_rows``) into the same
+accumulator and writes dq in q's dtype, so q and do are read once and no float32 dq passes
+between kernels; its flag is then that all three branches' keys and values are finite. At
+m7c-125m's 8 x 2k this one kernel took 0.273 ms where the two took 0.311 (bench/NOTES.md,
+fifty-fourth session); for wider tiles the compressed+window dq kernel adds them.
 
 dK/dV runs per key tile (one program per BLOCK_N keys of a KV head, as in
 ``compressed_window.py``) over the positions that selected the tile's block, listed in
