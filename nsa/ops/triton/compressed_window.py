@@ -14,9 +14,10 @@ variable-length batches. Forward writes the branch output (float32) and its log-
 looping over the queries that can see it), and one dq kernel for both branches (per query
 tile: q and do read once, one accumulator, each branch's gate multiplying its dS; it adds the
 selected branch's float32 dq and writes dq in q's dtype, so the float32 sum is read once). At
-short T, where the selected branch runs as masked causal attention, the masked dq kernel runs
-these two branches' key loops after its own (``branch_dq_rows``; selected_masked.py) and this
-one is not launched.
+short T, where the selected branch runs as masked causal attention, and for head dims <= 64 in
+16 bits (launch.NARROW_TUNING's masked_dq ``branches``), the masked dq kernel runs these two
+branches' key loops after its own (``branch_dq_rows``; selected_masked.py) and this one is not
+launched.
 
 Each kernel's loop runs in two parts: first the partial tiles, which hold a masked pair (the
 diagonal, the window's lower edge, sequence boundaries, the ends) and multiply finite parts
