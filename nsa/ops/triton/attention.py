@@ -82,8 +82,9 @@ def _backward(grad_out, q, k, v, k_cmp, v_cmp, gates, k_win, v_win, selection, o
               o_win, lse_cmp, lse_slc, lse_win, kv_finite, params: NSAParams, scale: float,
               cu_seqlens):
     """-> gradients of (q, k, v, k_cmp, v_cmp, gates, k_win, v_win), in their dtypes."""
-    # The dq kernels write dq and its float32 sum through q's strides, into new tensors: a
-    # strided q (a view with padded rows) is copied, or they would write past them.
+    # The dq kernels write dq (and, where two kernels compute it, its float32 sum) through q's
+    # strides, into new tensors: a strided q (a view with padded rows) is copied, or they
+    # would write past them.
     q = q.contiguous()
     tables = build_tables(q.shape[1], k_cmp.shape[1], cu_seqlens, params, q.device)
     gate, delta, dgates, query_finite = gate_backward(grad_out, gates, o_cmp, o_slc, o_win, q,

@@ -497,6 +497,12 @@ def branch_dq_args(q, cmp: DqBranch, win: DqBranch, tables: KernelTables,
                       CMP_TMA=cmp_tma, WIN_TMA=win_tma)
 
 
+def branch_dq_placeholders(q) -> list:
+    """``branch_dq_args``' runtime arguments for a kernel that reads none of them (the masked
+    dq without the branches): q for each of its 18 tensors, 0 for each of its 12 strides."""
+    return [q] * 18 + [0] * 12
+
+
 def branches_dq(q, do, cmp: DqBranch, win: DqBranch, dq_sum, dq, tables, params, scale):
     """dq (q's layout and dtype) = dq_sum (float32: the selected branch's dq) + the
     compressed and the window branch's dq for output gradient do [B, T, HQ, Dv] (each times

@@ -76,7 +76,12 @@ from nsa.ops.triton.common import (
     query_tile_rows,
     store_tile,
 )
-from nsa.ops.triton.compressed_window import DqBranch, branch_dq_args, branch_dq_rows
+from nsa.ops.triton.compressed_window import (
+    DqBranch,
+    branch_dq_args,
+    branch_dq_placeholders,
+    branch_dq_rows,
+)
 from nsa.ops.triton.finite import launch_per_flag
 from nsa.ops.triton.gating import (
     GatedSum,
@@ -500,8 +505,8 @@ def masked_dq(q, k, v, selection: MaskedSelection, grad: BranchGrad, lse, delta,
     own gate), in the same kernel: the op's backward at short T (its one dq kernel)."""
     grid, meta, kd, vd = _launch("masked_dq", q, k, v, params)
     bits, finite = selection
-    if branches is None:  # placeholders of the 18 tensors and 12 strides the kernel ignores
-        extra, extra_meta = [q] * 18 + [0] * 12, {}
+    if branches is None:
+        extra, extra_meta = branch_dq_placeholders(q), {}
     else:
         extra, extra_meta = branch_dq_args(q, *branches, params)
     launch_per_flag(
