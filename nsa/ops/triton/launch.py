@@ -81,10 +81,14 @@ TUNING = {
 # 4 / 2 0.331, 128 / 4 / 3 0.47, its wgmma serialized by ptxas; forty-fourth session). The
 # compressed and window forwards at 64 rows since their tiles hold launch.tile_heads' heads
 # (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at
-# 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058; fifty-first session).
+# 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058; fifty-first session); at most 96
+# registers (offline sm_90: 128 -> 96, no stack, four -> five programs an SM): window 91.8 ->
+# 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session). The dK/dV kernels
+# capped at 168 (243 / 238 registers -> 144 / 160 B of stack, two -> three programs an SM)
+# went from 51 and 159 us to 71 and 254: no cap there.
 NARROW_TUNING = {
-    "cmp_fwd": dict(rows=64),
-    "win_fwd": dict(rows=64),
+    "cmp_fwd": dict(rows=64, maxnreg=96),
+    "win_fwd": dict(rows=64, maxnreg=96),
     "cw_dq": dict(rows=64, num_warps=4, num_stages=3, keys=32),
     "cmp_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
     "win_dkdv": dict(rows=64, num_warps=4, num_stages=3, transposed_min_group=None),
