@@ -11,7 +11,13 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from nsa.ops.triton.launch import TUNING, launch_shape, tile_heads  # noqa: E402
+from nsa.ops.triton.compressed_window import (  # noqa: E402
+    MODE_CMP,
+    MODE_NAMES,
+    MODE_WIN,
+    _branch_fwd_kernel,
+)
+from nsa.ops.triton.launch import TUNING, launch_keys, launch_shape, tile_heads  # noqa: E402
 from nsa.ops.triton.selection import _select_kernel, loop_stages  # noqa: E402
 from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
 
@@ -95,3 +101,30 @@ def test_masked_selected_kernels_spill_little_at_the_m7c_shape(kind):
     assert sm90_stack(f"selected_masked.{kernel}", types, constants, launch["num_warps"],
                       launch["num_stages"], maxnreg=launch.get("maxnreg")
                       ) <= {"fwd": 640, "dq": 960}[kind]
+
+
+@needs_cuda_tools
+@pytest.mark.parametrize("mode", [MODE_CMP, MODE_WIN], ids=["compressed", "window"])
+def test_compressed_and_window_forwards_fit_their_register_cap_at_the_m7c_shape(mode):
+    """The compressed and window forwards at the m7c-125m shape (G = 6, D = 64, bf16, TMA, the
+    programs whose keys and values are finite) as the op launches them where every stride is a
+    multiple of 16 (the launches that take the cap, launch.strides_aligned): under the cap
+    of 96 registers (five 4-warp programs an SM where their 128 registers fit four) they spill
+    nothing, which is what made them faster (bench/NOTES.md, fifty-fifth session); a change
+    that makes them spill under the cap must show."""
+    family = f"{MODE_NAMES[mode]}_fwd"
+    rows, launch = launch_shape(family, G=6, head_dim=64)
+    keys = launch_keys(family, 64)
+    constants = dict(FINITE=True, G=6, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_R=rows,
+                     TILE_G=tile_heads(6), BLOCK_N=keys, MODE=mode, WINDOW=512, CMP_BLOCK=32,
+                     CMP_STRIDE=16, IEEE=False, TMA=True, SMALL_SCALE=True)
+    desc = f"tensordesc<bf16[1, {keys}, 1, 64]>"
+    types = dict(Q="*bf16", K="*bf16", V="*bf16", KD=desc, VD=desc, O="*fp32", LSE="*fp32",
+                 tok_pos="*i32", tok_cmp_start="*i32", KV_FINITE="*i8", scale_log2="fp32")
+    # The launches that take the cap (launch.strides_aligned): every stride a multiple of 16.
+    aligned = [name for name in types if types[name].startswith("*")] + [
+        name for name in _branch_fwd_kernel.arg_names if name.startswith("stride_")]
+    assert launch.get("maxnreg") == 96
+    assert sm90_stack("compressed_window._branch_fwd_kernel", types, constants,
+                      launch["num_warps"], launch["num_stages"], aligned=aligned,
+                      maxnreg=launch["maxnreg"]) == 0

@@ -375,6 +375,35 @@ def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(ca
     assert dq_launches == launches
 
 
+def test_the_forwards_register_cap_is_taken_where_every_stride_is_a_multiple_of_16(monkeypatch):
+    """launch.NARROW_TUNING caps the compressed and window forwards at 96 registers, measured
+    on launches whose strides are multiples of 16 (``launch.strides_aligned``; offline, with
+    every stride unaligned, the cap spills 416 B where uncapped they spill nothing): a q whose
+    head stride is not (a view of wider rows) runs them uncapped, with the same output (to
+    bfloat16 rounding: other kernels, other schedules)."""
+    from nsa.ops.triton import compressed_window
+
+    caps = []
+    launch = compressed_window.launch_per_flag
+
+    def recording(kernel, grid, *args, **kwargs):
+        if kernel.fn.__name__ == "_branch_fwd_kernel":
+            caps.append(kwargs.get("maxnreg"))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(compressed_window, "launch_per_flag", recording)
+    B, T, HQ, H, Dk, Dv, cu, p = CASES[5]  # Dk 16, Dv 32: narrow tiles
+    x, _ = make_inputs(B, T, HQ, H, Dk, Dv, cu, p, torch.bfloat16)
+    wide = torch.zeros(B, T, HQ, Dk + 8, dtype=torch.bfloat16, device=DEVICE)
+    padded_q = wide[..., :Dk].copy_(x["q"])  # head stride Dk + 8 = 24
+    outputs = []
+    for q in (x["q"], padded_q):
+        outputs.append(nsa.nsa_attention(q, *(x[n] for n in INPUTS[1:6]), k_win=x["k_win"],
+                                         v_win=x["v_win"], backend="triton", **p))
+    assert caps == [96, 96, None, None]  # compressed, window; then both uncapped
+    torch.testing.assert_close(outputs[1], outputs[0])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")
 @pytest.mark.parametrize("case", [GPU_CASES[4], GPU_CASES[2], GPU_CASES[0]],
                          ids=["per-block", "masked", "G2"])

@@ -76,6 +76,7 @@ from nsa.ops.triton.launch import (
     shapes,
     small_scale,
     strides,
+    strides_aligned,
     sum_segments,
 )
 from nsa.ops.triton.tables import KernelTables
@@ -445,7 +446,8 @@ def branch_forward(q, k, v, tables, mode, params, scale, kv_finite):
     o = torch.empty(B, T, HQ, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     family = f"{MODE_NAMES[mode]}_fwd"
-    R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size())
+    R, launch = launch_shape(family, G, max(Dk, Dv), q.element_size(),
+                             capped=strides_aligned(q, k, v, o))
     N = launch_keys(family, max(Dk, Dv), q.element_size())
     # [B, NK, H, D] descriptors of N keys: the full key tiles load through TMA.
     kd, vd, tma = descriptor_pair(k, v, [1, N, 1])

@@ -83,9 +83,12 @@ TUNING = {
 # (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at
 # 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058; fifty-first session); at most 96
 # registers (offline sm_90: 128 -> 96, no stack, four -> five programs an SM): window 91.8 ->
-# 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session). The dK/dV kernels
-# capped at 168 (243 / 238 registers -> 144 / 160 B of stack, two -> three programs an SM)
-# went from 51 and 159 us to 71 and 254: no cap there.
+# 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session); offline no stack
+# either at G = 1, 2, 4, 6, 16, Dk != Dv, fp16, without TMA or the small scale, but for the
+# programs of non-finite keys (FINITE off: 112 B) and launches with unaligned strides, which
+# run uncapped (strides_aligned). The dK/dV kernels capped at 168 (243 / 238 registers ->
+# 144 / 160 B of stack, two -> three programs an SM) went from 51 and 159 us to 71 and 254:
+# no cap there.
 NARROW_TUNING = {
     "cmp_fwd": dict(rows=64, maxnreg=96),
     "win_fwd": dict(rows=64, maxnreg=96),
@@ -182,7 +185,7 @@ def _tuning(kind: str, width: int) -> dict:
     return TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
 
 
-def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
+def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2, capped: bool = True):
     """(rows per tile, launch options) for a kernel family; rows >= G, a power of two >= 16.
 
     The tuned shapes are for 16-bit tiles of head dim <= 128, with NARROW_TUNING's for head
@@ -190,7 +193,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory; wide float32 tiles halve them
     once more (FLOAT32_SHRINK). The options hold a family's register cap (``maxnreg``) where
-    its tuning has one."""
+    its tuning has one, unless not ``capped`` (``strides_aligned``)."""
     width = tile_width(head_dim, element_size)
     tuning = _tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
@@ -199,7 +202,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2):
         if element_size == 4:
             rows = max(16, rows // FLOAT32_SHRINK)
     options = dict(num_warps=tuning["num_warps"], num_stages=stages)
-    if "maxnreg" in tuning:
+    if "maxnreg" in tuning and capped:
         options["maxnreg"] = tuning["maxnreg"]
     return max(rows, pow2(G, 16)), options
 
@@ -318,6 +321,15 @@ def wide_rows(*tensors: torch.Tensor) -> bool:
     tensors reaches 2^31: kernels that compute their rows' offsets in int32 need int64 then."""
     return any(sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:]))
                >= 2**31 for x in tensors)
+
+
+def strides_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every stride a kernel takes of these tensors (all but the last, 1) is a multiple
+    of 16, which Triton's launch specializes on: its address arithmetic needs fewer registers.
+    The compressed and window forwards' register cap holds for those launches only (offline
+    sm_90 at m7c's: 96 registers, no stack; with every stride unaligned, 416 B of stack, where
+    uncapped they take 192 registers and no stack; fifty-fifth session)."""
+    return all(stride % 16 == 0 for x in tensors for stride in x.stride()[:-1])
 
 
 def strides(x: torch.Tensor, n: int = 3):
