@@ -6,13 +6,18 @@ printed in bytes. Run in its own process, without TRITON_INTERPRET (under the in
                                                    "num_warps": 4, "num_stages": 1}'
     python -m tests.ops.sm90_stack --launches FILE   # a JSON list of {"kernel": ..., launch}
 
-With ``--launches`` every launch is compiled; one line per launch (its stack, a digest of
-its machine code, ``copy_races`` and ptxas' performance-loss notes), then the exit status 1 if
-any failed to compile (each failure's error is printed). Two such listings of one launches
+With ``--launches`` every launch is compiled; one line per launch (its stack, registers, shared
+memory and programs an SM, a digest of its machine code, ``copy_races`` and ptxas'
+performance-loss notes), then the exit status 1 if any failed to compile (each failure's
+error is printed). With ``--caps`` as well, a launch whose registers (not its shared memory)
+bound its programs an SM is compiled again under the register cap (``maxnreg``) that fits one
+more, and its stack there is printed: a census of where a cap might pay (bench/NOTES.md,
+fifty-fourth and fifty-fifth sessions; a cap that spills inside a loop lost each time it was
+timed). Two such listings of one launches
 file, before and after a change, show which launches compile differently: a refactor whose
 listing is unchanged needs no GPU run to re-measure (the launches of the test suite's
 interpreter run: ``TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE``
-writes them).
+writes them; with ``--m7c``, those of the op at m7c-125m's shape).
 """
 
 import hashlib
@@ -78,6 +83,37 @@ def _cuobjdump(kernel, option: str) -> str:
 
 def _stack(kernel) -> int:
     return int(_cuobjdump(kernel, "-res-usage").split("STACK:")[1].split()[0])
+
+
+def _registers(kernel) -> int:
+    return int(_cuobjdump(kernel, "-res-usage").split("REG:")[1].split()[0])
+
+
+# An sm_90 SM: 64K 32-bit registers, given out per warp in units of 256; 228 KiB of shared
+# memory, 1 KiB of it reserved per resident program; at most 64 warps and 32 programs.
+SM_REGISTERS, REGISTER_UNIT, SM_SHARED, PROGRAM_SHARED, SM_WARPS, SM_PROGRAMS = (
+    65536, 256, 228 * 1024, 1024, 64, 32)
+
+
+def programs_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, int]:
+    """(programs of ``num_warps`` warps an SM can hold at ``registers`` a thread and
+    ``shared`` bytes of shared memory a program, those its registers alone allow)."""
+    warp_registers = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = SM_REGISTERS // warp_registers // num_warps
+    by_shared = SM_SHARED // (shared + PROGRAM_SHARED)
+    return min(by_registers, by_shared, SM_WARPS // num_warps, SM_PROGRAMS), by_registers
+
+
+def cap_for_one_more(registers: int, num_warps: int, shared: int) -> int | None:
+    """The most registers a thread (a multiple of 8) at which one more program of this launch
+    fits an SM, or None where its shared memory or warps, not its registers, bound it."""
+    programs, by_registers = programs_per_sm(registers, num_warps, shared)
+    if by_registers > programs:
+        return None
+    cap = SM_REGISTERS // ((programs + 1) * num_warps) // REGISTER_UNIT * REGISTER_UNIT // 32
+    if cap < 24 or programs_per_sm(cap, num_warps, shared)[0] <= programs:
+        return None
+    return cap
 
 
 def ptxas_losses(kernel) -> list[str]:
@@ -192,6 +228,16 @@ def compile_launch(kernel: str, launch: dict):
                         launch["num_stages"], launch.get("aligned"), launch.get("maxnreg"))
 
 
+def _cap_line(launch: dict, registers: int, shared: int) -> str:
+    """The launch compiled again under the cap that fits one more program an SM: its stack."""
+    cap = cap_for_one_more(registers, launch["num_warps"], shared)
+    if cap is None:
+        return ""
+    capped = compile_launch(launch["kernel"], dict(launch, maxnreg=cap))
+    more = programs_per_sm(_registers(capped), launch["num_warps"], shared)[0]
+    return f"\n    cap {cap}: stack {_stack(capped)} B, {more} programs an SM"
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "--launches":
         print(_stack(compile_launch(sys.argv[1], json.loads(sys.argv[2]))))
@@ -201,8 +247,13 @@ if __name__ == "__main__":
         try:
             compiled = compile_launch(launch["kernel"], launch)
             losses = ",".join(ptxas_losses(compiled)) or "none"
-            print(f"{launch['kernel']}: stack {_stack(compiled)} B, sass {sass_digest(compiled)}, "
-                  f"copy races {copy_races(compiled.asm['ttgir'])}, ptxas losses {losses}")
+            registers, shared = _registers(compiled), compiled.metadata.shared
+            programs = programs_per_sm(registers, launch["num_warps"], shared)[0]
+            caps = _cap_line(launch, registers, shared) if "--caps" in sys.argv[3:] else ""
+            print(f"{launch['kernel']}: stack {_stack(compiled)} B, registers {registers}, "
+                  f"shared {shared / 1024:.0f} KiB, {programs} programs an SM, "
+                  f"sass {sass_digest(compiled)}, "
+                  f"copy races {copy_races(compiled.asm['ttgir'])}, ptxas losses {losses}{caps}")
         except Exception as error:  # noqa: BLE001  (every failure is reported, then exit 1)
             failed += 1
             print(f"{launch['kernel']} FAILED with {json.dumps(launch['constants'])}:\n{error}")

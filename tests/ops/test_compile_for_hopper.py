@@ -15,6 +15,7 @@ a process without the interpreter, with the ptxas that Triton's wheel carries
 (tests/ops/sm90_stack.py). On a CUDA machine the other tests compile every launch for real.
 
     TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE   # write the launches
+    TRITON_INTERPRET=1 python -m tests.ops.test_compile_for_hopper FILE --m7c  # the op's at m7c
 """
 
 import inspect
@@ -339,8 +340,22 @@ def test_every_recorded_launch_compiles_for_hopper(tmp_path):
                for kernel, finite, _ in slowed), slowed
 
 
+def m7c_attention_forward_backward():
+    """The op forward and backward at m7c-125m's layer shape (12 query heads on 2 KV heads of
+    64, bf16, the paper's blocks) at 1 x 256 tokens: the launches of its 8 x 2k training step
+    (the same constants: the selected branch as masked attention, int32 row offsets), for a
+    register census (``python -m tests.ops.sm90_stack --launches FILE --caps``)."""
+    p = dict(cmp_block=32, cmp_stride=16, sel_block=64, num_selected=16, window=512)
+    x = make_inputs(1, 256, 12, 2, 64, 64, dtype=torch.bfloat16, **p)
+    x = {name: t.requires_grad_() for name, t in x.items()}
+    out = nsa.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], x["gates"],
+                            k_win=x["k_win"], v_win=x["v_win"], backend="triton", **p)
+    out.float().square().sum().backward()
+
+
 if __name__ == "__main__":  # the launches, for `python -m tests.ops.sm90_stack --launches`
     import sys
 
+    work = m7c_attention_forward_backward if "--m7c" in sys.argv[2:] else everything
     with open(sys.argv[1], "w") as f:
-        json.dump(recorded_launches(everything), f)
+        json.dump(recorded_launches(work), f)

@@ -19,7 +19,12 @@ from nsa.ops.triton.compressed_window import (  # noqa: E402
 )
 from nsa.ops.triton.launch import TUNING, launch_keys, launch_shape, tile_heads  # noqa: E402
 from nsa.ops.triton.selection import _select_kernel, loop_stages  # noqa: E402
-from tests.ops.sm90_stack import HAS_TOOLS, run_offline  # noqa: E402
+from tests.ops.sm90_stack import (  # noqa: E402
+    HAS_TOOLS,
+    cap_for_one_more,
+    programs_per_sm,
+    run_offline,
+)
 
 needs_cuda_tools = pytest.mark.skipif(not HAS_TOOLS, reason="this Triton build has no CUDA tools")
 
@@ -128,3 +133,19 @@ def test_compressed_and_window_forwards_fit_their_register_cap_at_the_m7c_shape(
     assert sm90_stack("compressed_window._branch_fwd_kernel", types, constants,
                       launch["num_warps"], launch["num_stages"], aligned=aligned,
                       maxnreg=launch["maxnreg"]) == 0
+
+
+def test_programs_an_sm_and_the_cap_that_fits_one_more():
+    """The census arithmetic of ``sm90_stack --launches --caps`` (sm_90: 64K registers given
+    out per warp in units of 256, 228 KiB of shared memory with 1 KiB reserved per program, 64
+    warps): the m7c compressed/window forward (41 KiB) at 128 registers fits four 4-warp
+    programs and at 96 five; the masked dK/dV (100 KiB, 255 registers) two; where shared
+    memory (the one-kernel dq's 66 KiB at 168) or warps bound a launch, no cap adds one."""
+    assert programs_per_sm(128, 4, 41 * 1024) == (4, 4)
+    assert programs_per_sm(96, 4, 41 * 1024) == (5, 5)
+    assert programs_per_sm(255, 4, 100 * 1024) == (2, 2)
+    assert programs_per_sm(168, 8, 0) == (1, 1)
+    assert cap_for_one_more(128, 4, 41 * 1024) == 96
+    assert cap_for_one_more(243, 4, 76288) == 168  # the compressed dK/dV: 3 by shared memory
+    assert cap_for_one_more(168, 4, 66 * 1024) is None  # shared memory: three either way
+    assert cap_for_one_more(30, 4, 0) is None  # 16 programs of 4 warps: every warp slot

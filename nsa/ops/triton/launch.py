@@ -83,8 +83,9 @@ TUNING = {
 # (32 positions x 2 heads at G = 6): window 0.109 -> 0.095 ms, compressed 0.050 -> 0.046 (at
 # 64 rows of 10 x 6 they were 0.110-0.116 and 0.055-0.058; fifty-first session); at most 96
 # registers (offline sm_90: 128 -> 96, no stack, four -> five programs an SM): window 91.8 ->
-# 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session); offline no stack
-# either at G = 1, 2, 4, 6, 16, Dk != Dv, fp16, without TMA or the small scale, but for the
+# 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session), although under
+# the cap ptxas serializes their wgmma (C7512, too few registers for its pipeline); no stack
+# offline at G = 1, 2, 4, 6, 16, Dk != Dv, fp16, without TMA or the small scale, but for the
 # programs of non-finite keys (FINITE off: 112 B) and launches with unaligned strides, which
 # run uncapped (strides_aligned). The dK/dV kernels capped at 168 (243 / 238 registers ->
 # 144 / 160 B of stack, two -> three programs an SM) went from 51 and 159 us to 71 and 254:
