@@ -40,10 +40,12 @@ from nsa.ops.triton.launch import (
     TRANSPOSABLE,
     TUNING,
     BranchGrad,
+    family_tuning,
     launch_choice,
     launch_keys,
     launch_shape,
     launch_transposed,
+    tile_width,
 )
 from nsa.ops.triton.selected import position_dq, position_forward
 from nsa.ops.triton.selected_blocks import block_backward, block_forward
@@ -157,6 +159,9 @@ def main(argv=None):
     parser.add_argument("--transposed", default="",
                         help="0,1: the compressed and window dK/dV with p^T, dS^T computed as "
                         "[keys, rows] (1) or not (0), for every group (default: as shipped)")
+    parser.add_argument("--maxnreg", default="",
+                        help="register caps a thread, 0 for none (default: each family's own "
+                        "at this head dim, as launched)")
     parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,"
                         "selected_block_fwd,masked_fwd,"
@@ -167,11 +172,15 @@ def main(argv=None):
     work = stages(args.batch, args.seq, HQ, H, args.dim)
     default = {name: dict(t) for name, t in TUNING.items()}
     narrow = dict(NARROW_TUNING)
+    # What a swept shape starts from: the family's tuning at this head dim (NARROW_TUNING's
+    # fields too, e.g. masked_dq's register cap), as the op launches it.
+    launched = {name: family_tuning(name, tile_width(args.dim)) for name in default}
     grid = list(itertools.product(map(int, args.rows.split(",")), map(int, args.warps.split(",")),
                                   map(int, args.num_stages.split(",")),
                                   [int(k) for k in args.keys.split(",") if k] or [None],
                                   [bool(int(t)) for t in args.transposed.split(",") if t]
-                                  or [None]))
+                                  or [None],
+                                  [int(c) for c in args.maxnreg.split(",") if c] or [None]))
     print(f"# B={args.batch}, T={args.seq}, HQ={HQ}, H={H}, D={args.dim}, bf16; "
           f"default {default}")
     where = f"{args.batch} x {args.seq}, {HQ}/{H}/{args.dim}"
@@ -186,7 +195,7 @@ def main(argv=None):
             own_keys = launch_keys(family, args.dim) if keyed else None  # as shipped
             transposable = family in TRANSPOSABLE
             own_transposed = launch_transposed(family, HQ // H, args.dim)  # as shipped
-            for rows, warps, n_stages, keys, transposed in grid:
+            for rows, warps, n_stages, keys, transposed, cap in grid:
                 if not keyed and keys != grid[0][3]:
                     continue  # a family without key tiles: each shape once
                 if not rowed and rows != grid[0][0]:
@@ -198,7 +207,12 @@ def main(argv=None):
                     shape["rows"] = rows
                 if keyed:
                     shape["keys"] = own_keys if keys is None else keys
-                tuning = dict(default[family], **shape)
+                tuning = dict(launched[family], **shape)
+                if cap is not None:  # 0: no cap
+                    tuning.pop("maxnreg", None)
+                    tuning.update({"maxnreg": cap} if cap else {})
+                if "maxnreg" in tuning:
+                    shape["maxnreg"] = tuning["maxnreg"]
                 if transposable:
                     wanted = own_transposed if transposed is None else transposed
                     tuning["transposed_min_group"] = 1 if wanted else None
@@ -211,7 +225,7 @@ def main(argv=None):
                     ms = float("inf")
                     print(f"  {family}/{label} {shape}: {type(error).__name__}")
                 timings.append((ms, shape.get("rows"), warps, n_stages, shape.get("keys"),
-                                shape.get("transposed")))
+                                shape.get("transposed"), shape.get("maxnreg")))
                 results.append(dict(family=family, shape=where, **shape, ms=ms, shipped=False))
             TUNING[family] = dict(default[family])
             NARROW_TUNING.pop(family)
@@ -229,8 +243,9 @@ def main(argv=None):
                                 ms=ms_default, shipped=True))
             timings.sort(key=lambda t: t[0])
             best = ", ".join(f"{ms:.3f}ms " + ("" if r is None else f"r{r}") + f"w{w}s{s}"
-                             + ("" if k is None else f"k{k}")
-                             + ("t" if t else "") for ms, r, w, s, k, t in timings[:4])
+                             + ("" if k is None else f"k{k}") + ("t" if t else "")
+                             + ("" if c is None else f"c{c}")
+                             for ms, r, w, s, k, t, c in timings[:4])
             print(f"{family:13s} {label:9s} default {ms_default:.3f}ms; best: {best}", flush=True)
             if args.json:  # after every family: a call that runs out of time keeps the rows
                 atomic_write_json(Path(args.json), dict(meta=meta, rows=results))

@@ -180,7 +180,7 @@ def tile_width(head_dim: int, element_size: int = 2) -> int:
     return pow2(head_dim) * element_size // 2
 
 
-def _tuning(kind: str, width: int) -> dict:
+def family_tuning(kind: str, width: int) -> dict:
     """A family's tuned launch for tiles ``width`` wide: TUNING's, with NARROW_TUNING's entries
     for tiles of width <= 64 where it has the family."""
     return TUNING[kind] | (NARROW_TUNING.get(kind, {}) if width <= 64 else {})
@@ -196,7 +196,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2, capped
     once more (FLOAT32_SHRINK). The options hold a family's register cap (``maxnreg``) where
     its tuning has one, unless not ``capped`` (``strides_aligned``)."""
     width = tile_width(head_dim, element_size)
-    tuning = _tuning(kind, width)
+    tuning = family_tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
     if width > 128:
         rows, stages = max(16, rows * 128 // width), 1
@@ -228,13 +228,13 @@ def wide_keys(head_dim: int, element_size: int = 2) -> int | None:
 def launch_choice(kind: str, field: str, head_dim: int, element_size: int = 2) -> bool:
     """A family's tuned yes-or-no choice ``field`` for tiles of this head dim and element size
     (masked_dq's ``branches``); False where its tuning has none."""
-    return bool(_tuning(kind, tile_width(head_dim, element_size)).get(field, False))
+    return bool(family_tuning(kind, tile_width(head_dim, element_size)).get(field, False))
 
 
 def launch_keys(kind: str, head_dim: int, element_size: int = 2, field: str = "keys") -> int:
     """Keys of a tile (BLOCK_N) of a compressed/window kernel family: its tuned ``keys`` (or
     another ``field``: cw_dq's ``win_keys``), at most ``wide_keys``."""
-    keys = _tuning(kind, tile_width(head_dim, element_size))[field]
+    keys = family_tuning(kind, tile_width(head_dim, element_size))[field]
     limit = wide_keys(head_dim, element_size)
     return keys if limit is None else min(keys, limit)
 
@@ -248,7 +248,7 @@ def launch_transposed(kind: str, G: int, head_dim: int, element_size: int = 2) -
     groups of G >= its tuned ``transposed_min_group`` heads, G a power of two (query tiles of
     whole positions), in 16-bit tiles of head dim <= 128; never for wider ones (not measured)."""
     width = tile_width(head_dim, element_size)
-    min_group = _tuning(kind, width).get("transposed_min_group")
+    min_group = family_tuning(kind, width).get("transposed_min_group")
     return width <= 128 and min_group is not None and G >= min_group and G & (G - 1) == 0
 
 
