@@ -377,10 +377,11 @@ def test_the_backward_computes_dq_in_one_kernel_where_the_selection_is_masked(ca
 
 def test_the_forwards_register_cap_is_taken_where_every_stride_is_a_multiple_of_16(monkeypatch):
     """launch.NARROW_TUNING caps the compressed and window forwards at 96 registers, measured
-    on launches whose strides are multiples of 16 (``launch.strides_aligned``; offline, with
-    every stride unaligned, the cap spills 416 B where uncapped they spill nothing): a q whose
-    head stride is not (a view of wider rows) runs them uncapped, with the same output (to
-    bfloat16 rounding: other kernels, other schedules)."""
+    on 16-bit launches whose strides are multiples of 16 (``launch.strides_aligned``;
+    offline, with every stride unaligned, the cap spills 416 B where uncapped they spill
+    nothing): a q whose head stride is not (a view of wider rows) runs them uncapped, with
+    the same output (to bfloat16 rounding: other kernels, other schedules), and so do float32
+    inputs (their exact products spilled 112-704 B under the cap)."""
     from nsa.ops.triton import compressed_window
 
     caps = []
@@ -402,6 +403,10 @@ def test_the_forwards_register_cap_is_taken_where_every_stride_is_a_multiple_of_
                                          v_win=x["v_win"], backend="triton", **p))
     assert caps == [96, 96, None, None]  # compressed, window; then both uncapped
     torch.testing.assert_close(outputs[1], outputs[0])
+    x, _ = make_inputs(B, T, HQ, H, Dk, Dv, cu, p, torch.float32)
+    nsa.nsa_attention(*(x[n] for n in INPUTS[:6]), k_win=x["k_win"], v_win=x["v_win"],
+                      backend="triton", **p)
+    assert caps[4:] == [None, None]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the interpreter runs programs in order)")

@@ -86,10 +86,10 @@ TUNING = {
 # 89.0 us, compressed 42.4 -> 40.1 a layer at 8 x 2k (fifty-fifth session), although under
 # the cap ptxas serializes their wgmma (C7512, too few registers for its pipeline); no stack
 # offline at G = 1, 2, 4, 6, 16, Dk != Dv, fp16, without TMA or the small scale, but for the
-# programs of non-finite keys (FINITE off: 112 B) and launches with unaligned strides, which
-# run uncapped (strides_aligned). The dK/dV kernels capped at 168 (243 / 238 registers ->
-# 144 / 160 B of stack, two -> three programs an SM) went from 51 and 159 us to 71 and 254:
-# no cap there.
+# programs of non-finite keys (FINITE off: 112 B); launches with unaligned strides
+# (strides_aligned) and float32 ones (launch_shape) run uncapped. The dK/dV kernels capped
+# at 168 (243 / 238 registers -> 144 / 160 B of stack, two -> three programs an SM) went from
+# 51 and 159 us to 71 and 254: no cap there.
 NARROW_TUNING = {
     "cmp_fwd": dict(rows=64, maxnreg=96),
     "win_fwd": dict(rows=64, maxnreg=96),
@@ -194,7 +194,9 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2, capped
     or 4-byte float32 elements, which count as twice the dim) halve the rows per doubling and
     drop software pipelining so the tiles fit in shared memory; wide float32 tiles halve them
     once more (FLOAT32_SHRINK). The options hold a family's register cap (``maxnreg``) where
-    its tuning has one, unless not ``capped`` (``strides_aligned``)."""
+    its tuning has one, for 16-bit elements (the caps were measured there; float32 tiles,
+    whose exact products hold their operands in registers, spilled 112-704 B under the
+    forwards' cap offline) and unless not ``capped`` (``strides_aligned``)."""
     width = tile_width(head_dim, element_size)
     tuning = family_tuning(kind, width)
     rows, stages = tuning["rows"], tuning["num_stages"]
@@ -203,7 +205,7 @@ def launch_shape(kind: str, G: int, head_dim: int, element_size: int = 2, capped
         if element_size == 4:
             rows = max(16, rows // FLOAT32_SHRINK)
     options = dict(num_warps=tuning["num_warps"], num_stages=stages)
-    if "maxnreg" in tuning and capped:
+    if "maxnreg" in tuning and capped and element_size == 2:
         options["maxnreg"] = tuning["maxnreg"]
     return max(rows, pow2(G, 16)), options
 
