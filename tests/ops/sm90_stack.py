@@ -81,12 +81,14 @@ def _cuobjdump(kernel, option: str) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
+def _usage(kernel) -> tuple[int, int]:
+    """(registers, stack bytes) a thread of the compiled kernel, from one cuobjdump run."""
+    usage = _cuobjdump(kernel, "-res-usage")
+    return int(usage.split("REG:")[1].split()[0]), int(usage.split("STACK:")[1].split()[0])
+
+
 def _stack(kernel) -> int:
-    return int(_cuobjdump(kernel, "-res-usage").split("STACK:")[1].split()[0])
-
-
-def _registers(kernel) -> int:
-    return int(_cuobjdump(kernel, "-res-usage").split("REG:")[1].split()[0])
+    return _usage(kernel)[1]
 
 
 # An sm_90 SM: 64K 32-bit registers, given out per warp in units of 256; 228 KiB of shared
@@ -233,9 +235,9 @@ def _cap_line(launch: dict, registers: int, shared: int) -> str:
     cap = cap_for_one_more(registers, launch["num_warps"], shared)
     if cap is None:
         return ""
-    capped = compile_launch(launch["kernel"], dict(launch, maxnreg=cap))
-    more = programs_per_sm(_registers(capped), launch["num_warps"], shared)[0]
-    return f"\n    cap {cap}: stack {_stack(capped)} B, {more} programs an SM"
+    registers, stack = _usage(compile_launch(launch["kernel"], dict(launch, maxnreg=cap)))
+    more = programs_per_sm(registers, launch["num_warps"], shared)[0]
+    return f"\n    cap {cap}: stack {stack} B, {more} programs an SM"
 
 
 if __name__ == "__main__":
@@ -247,10 +249,10 @@ if __name__ == "__main__":
         try:
             compiled = compile_launch(launch["kernel"], launch)
             losses = ",".join(ptxas_losses(compiled)) or "none"
-            registers, shared = _registers(compiled), compiled.metadata.shared
+            (registers, stack), shared = _usage(compiled), compiled.metadata.shared
             programs = programs_per_sm(registers, launch["num_warps"], shared)[0]
             caps = _cap_line(launch, registers, shared) if "--caps" in sys.argv[3:] else ""
-            print(f"{launch['kernel']}: stack {_stack(compiled)} B, registers {registers}, "
+            print(f"{launch['kernel']}: stack {stack} B, registers {registers}, "
                   f"shared {shared / 1024:.0f} KiB, {programs} programs an SM, "
                   f"sass {sass_digest(compiled)}, "
                   f"copy races {copy_races(compiled.asm['ttgir'])}, ptxas losses {losses}{caps}")
