@@ -87,10 +87,6 @@ def _usage(kernel) -> tuple[int, int]:
     return int(usage.split("REG:")[1].split()[0]), int(usage.split("STACK:")[1].split()[0])
 
 
-def _stack(kernel) -> int:
-    return _usage(kernel)[1]
-
-
 # An sm_90 SM: 64K 32-bit registers, given out per warp in units of 256; 228 KiB of shared
 # memory, 1 KiB of it reserved per resident program; at most 64 warps and 32 programs.
 SM_REGISTERS, REGISTER_UNIT, SM_SHARED, PROGRAM_SHARED, SM_WARPS, SM_PROGRAMS = (
@@ -242,7 +238,7 @@ def _cap_line(launch: dict, registers: int, shared: int) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1] != "--launches":
-        print(_stack(compile_launch(sys.argv[1], json.loads(sys.argv[2]))))
+        print(_usage(compile_launch(sys.argv[1], json.loads(sys.argv[2])))[1])
         sys.exit(0)
     failed = 0
     for launch in json.loads(pathlib.Path(sys.argv[2]).read_text()):

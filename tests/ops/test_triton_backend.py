@@ -401,7 +401,7 @@ def test_the_forwards_register_cap_is_taken_where_every_stride_is_a_multiple_of_
     for q in (x["q"], padded_q):
         outputs.append(nsa.nsa_attention(q, *(x[n] for n in INPUTS[1:6]), k_win=x["k_win"],
                                          v_win=x["v_win"], backend="triton", **p))
-    assert caps == [96, 96, None, None]  # compressed, window; then both uncapped
+    assert caps == [96, 96, None, None]  # window, compressed (launched in that order); uncapped
     torch.testing.assert_close(outputs[1], outputs[0])
     x, _ = make_inputs(B, T, HQ, H, Dk, Dv, cu, p, torch.float32)
     nsa.nsa_attention(*(x[n] for n in INPUTS[:6]), k_win=x["k_win"], v_win=x["v_win"],
