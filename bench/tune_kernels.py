@@ -47,7 +47,12 @@ from nsa.ops.triton.launch import (
     launch_transposed,
     tile_width,
 )
-from nsa.ops.triton.selected import position_dq, position_forward
+from nsa.ops.triton.selected import (
+    pair_forward,
+    position_dq,
+    position_forward,
+    position_pairs,
+)
 from nsa.ops.triton.selected_blocks import block_backward, block_forward
 from nsa.ops.triton.selected_masked import (
     masked_causal_selection,
@@ -66,6 +71,7 @@ KERNELS = {  # family -> the names of the kernels it times (a call may launch ot
     "cw_dq": ("_branches_dq_kernel",),
     "cmp_dkdv": ("_branch_bwd_dkdv_kernel",), "win_dkdv": ("_branch_bwd_dkdv_kernel",),
     "select": ("_select_kernel",), "selected_fwd": ("_selected_fwd_kernel",),
+    "selected_pair_fwd": ("_selected_pair_fwd_kernel",),
     "masked_fwd": ("_masked_fwd_kernel",), "selected_dq": ("_selected_bwd_dq_kernel",),
     "selected_dkdv": ("_block_bwd_kernel",), "selected_block_fwd": ("_block_fwd_kernel",),
     "masked_dq": ("_masked_dq_kernel",),
@@ -119,6 +125,9 @@ def stages(B, T, HQ, H, D):
         "select": [("select", lambda: select(q, kc, lse_cmp, layout, PAPER, scale))],
         "selected_fwd": [
             ("slc+sum", lambda: position_forward(q, k, v, idx, layout, PAPER, scale, gated))],
+        "selected_pair_fwd": [
+            ("slc+sum", lambda: pair_forward(q, k, v, idx, PAPER, scale, gated))]
+        if position_pairs(HQ // H, packed=False) else [],
         "selected_block_fwd": [
             ("slc+sum", lambda: block_forward(q, k, v, idx, layout, PAPER, scale, gated))],
         "masked_fwd": [
@@ -164,7 +173,7 @@ def main(argv=None):
                         "at this head dim, as launched)")
     parser.add_argument("--json", help="write every timing here (bench/plot_tuning.py plots it)")
     parser.add_argument("--families", default="cmp_fwd,win_fwd,select,selected_fwd,"
-                        "selected_block_fwd,masked_fwd,"
+                        "selected_pair_fwd,selected_block_fwd,masked_fwd,"
                         "cw_dq,cmp_dkdv,win_dkdv,selected_dq,selected_dkdv,masked_dq,"
                         "masked_dkdv")
     args = parser.parse_args(argv)

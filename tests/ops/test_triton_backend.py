@@ -315,16 +315,16 @@ def test_chunked_partials_equal_one_chunk(case, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("case,max_group,dq_max_group",
-                         [(CASES[1], 0, 0), (CASES[-1], 0, 0), (CASES[2], 16, 0),
-                          (CASES[0], 0, 16)],
-                         ids=["varlen-G1-per-position", "full-tiles-G4-per-position",
+@pytest.mark.parametrize("case,max_group,dq_max_group,pair_max_group",
+                         [(CASES[1], 0, 0, 8), (CASES[-1], 0, 0, 8), (CASES[2], 16, 0, 8),
+                          (CASES[0], 0, 16, 0)],
+                         ids=["varlen-G1-per-position", "full-tiles-G4-pairs",
                               "G16-per-block", "G3-forward-per-position-dq-per-block"])
 def test_triton_matches_reference_with_the_other_selected_kernels(case, max_group, dq_max_group,
-                                                                  monkeypatch):
-    """The selected forward and dq per key block (selected_blocks.py) and per position
-    (selected.py), each forced where the shipped group thresholds take the other, and the dq
-    per block beside the forward per position."""
+                                                                  pair_max_group, monkeypatch):
+    """The selected forward and dq per key block (selected_blocks.py) and per position or
+    pair of positions (selected.py), each forced where the shipped group thresholds take the
+    other, and the dq per block beside the forward per position."""
     from nsa.ops.triton import selected
     from nsa.ops.triton.launch import TUNING
 
@@ -332,14 +332,18 @@ def test_triton_matches_reference_with_the_other_selected_kernels(case, max_grou
                         dict(TUNING["selected_block_fwd"], max_group=max_group))
     monkeypatch.setitem(TUNING, "selected_dkdv",
                         dict(TUNING["selected_dkdv"], dq_max_group=dq_max_group))
+    monkeypatch.setitem(TUNING, "selected_pair_fwd",
+                        dict(TUNING["selected_pair_fwd"], max_group=pair_max_group))
     calls = []
-    for name in ("block_forward", "position_forward", "position_dq"):
+    for name in ("block_forward", "pair_forward", "position_forward", "position_dq"):
         kernel = getattr(selected, name)
         monkeypatch.setattr(selected, name,
                             lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     run_case(case, torch.float32)
     G = case[2] // case[3]
-    expected = ["block_forward" if G <= max_group else "position_forward"]
+    expected = ["block_forward" if G <= max_group
+                else "pair_forward" if selected.position_pairs(G, case[6] is not None)
+                else "position_forward"]
     if G > max(max_group, dq_max_group):
         expected.append("position_dq")
     assert calls == expected

@@ -44,6 +44,12 @@ TUNING = {
     # One program per position: its rows are the G heads of the position (BLOCK_G), not tuned;
     # warps for head dim 128 (selected.py halves them for smaller heads).
     "selected_fwd": dict(num_warps=1, num_stages=2),
+    # The forward with two positions a program (selected.position_pairs) for groups of at most
+    # max_group heads (at most 8: both positions' heads in the 16 rows one position's take).
+    # At m7c 16k (head dim 64: one warp) 0.699 ms, 3 stages 0.668 (not yet timed in the step),
+    # two warps 0.836 at best (its step 1.8 ms slower than one warp's; bench/NOTES.md,
+    # fifty-seventh session).
+    "selected_pair_fwd": dict(num_warps=1, num_stages=2, max_group=8),
     "selected_dq": dict(num_warps=2, num_stages=2),
     # The per-block selected kernels (selected_blocks.py): one stage was 13-52 % faster than
     # two at 8k G = 16, 32k G = 1 and 4, with dq 2.1-2.3x (bench/NOTES.md, thirtieth session).
