@@ -46,9 +46,9 @@ TUNING = {
     "selected_fwd": dict(num_warps=1, num_stages=2),
     # The forward with two positions a program (selected.position_pairs) for groups of at most
     # max_group heads (at most 8: both positions' heads in the 16 rows one position's take).
-    # At m7c 16k (head dim 64: one warp) 0.699 ms, 3 stages 0.668 (not yet timed in the step),
-    # two warps 0.836 at best (its step 1.8 ms slower than one warp's; bench/NOTES.md,
-    # fifty-seventh session).
+    # At m7c 16k (head dim 64: one warp) 0.699 ms, 3 stages 0.668 alone but level in the step
+    # (59.1 / 58.9 ms against 59.0 / 59.1), two warps 0.836 at best (its step 1.8 ms slower
+    # than one warp's; bench/NOTES.md, fifty-seventh session).
     "selected_pair_fwd": dict(num_warps=1, num_stages=2, max_group=8),
     "selected_dq": dict(num_warps=2, num_stages=2),
     # The per-block selected kernels (selected_blocks.py): one stage was 13-52 % faster than
