@@ -57,6 +57,7 @@ from nsa.ops.triton.selected_blocks import (
     dq_per_block,
     per_block,
     position_program,
+    slots_in_use,
 )
 from nsa.ops.triton.selected_masked import (
     MaskedSelection,
@@ -172,8 +173,8 @@ def _pair_slots(IDX, b, h, t0, T, stride_ib, stride_it, stride_ih,
     NO_BLOCK after its ``count`` entries; count)."""
     slot = tl.arange(0, BLOCK_NSEL)
     first = IDX + b * stride_ib + t0 * stride_it + h * stride_ih
-    n0 = tl.minimum(NUM_SELECTED, t0 // SEL_BLOCK + 1)
-    n1 = tl.where(t0 + 1 < T, tl.minimum(NUM_SELECTED, (t0 + 1) // SEL_BLOCK + 1), 0)
+    n0 = slots_in_use(t0, NUM_SELECTED, SEL_BLOCK)
+    n1 = tl.where(t0 + 1 < T, slots_in_use(t0 + 1, NUM_SELECTED, SEL_BLOCK), 0)
     blocks0 = tl.load(first + slot, mask=slot < n0, other=NO_BLOCK).to(tl.int32)
     blocks1 = tl.load(first + stride_it + slot, mask=slot < n1, other=NO_BLOCK).to(tl.int32)
     shared = tl.sum((blocks1[:, None] == blocks0[None, :]).to(tl.int32), axis=1) != 0

@@ -269,6 +269,13 @@ def _block_fwd_kernel(
 
 
 @triton.jit
+def slots_in_use(pos, NUM_SELECTED: tl.constexpr, SEL_BLOCK: tl.constexpr):
+    """The selection slots a position ``pos`` of its sequence fills: min(n, candidates), its
+    candidates the blocks that start at or before it (ascending slots, unused ones last)."""
+    return tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
+
+
+@triton.jit
 def position_program(TOK_POS, H, BLOCK_G: tl.constexpr, NUM_SELECTED: tl.constexpr,
                      SEL_BLOCK: tl.constexpr):
     """Program (t, b·H + h) of a per-position kernel, whose rows are the G query heads of KV
@@ -279,7 +286,7 @@ def position_program(TOK_POS, H, BLOCK_G: tl.constexpr, NUM_SELECTED: tl.constex
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     pos = tl.load(TOK_POS + t)
-    return b, h, t, pos, tl.arange(0, BLOCK_G), tl.minimum(NUM_SELECTED, pos // SEL_BLOCK + 1)
+    return b, h, t, pos, tl.arange(0, BLOCK_G), slots_in_use(pos, NUM_SELECTED, SEL_BLOCK)
 
 
 @triton.jit
